@@ -1,0 +1,48 @@
+"""Tiny random models of every supported family, built offline from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+              max_position_embeddings=256)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=None)),
+    "mistral-sliding": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=5)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "qwen2-sliding": ("Qwen2Config", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                                          max_window_layers=2)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=8)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=8, sliding_window=5,
+                                    attn_implementation="eager")),
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=8, sliding_window=5,
+                                        sliding_window_pattern=2)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5, use_parallel_residual=True)),
+    "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=16, pad_token_id=1)),
+}
+
+
+def tiny_config(family: str):
+    cls_name, extra = FAMILIES[family]
+    kwargs = dict(COMMON, **extra)
+    if cls_name == "OPTConfig":
+        kwargs.pop("intermediate_size")
+    attn = kwargs.pop("attn_implementation", "sdpa")
+    config = getattr(transformers, cls_name)(**kwargs)
+    config._attn_implementation = attn
+    return config
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    # Random init of norms is all-ones/zeros; perturb everything so exits differ and bugs show.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.to(dtype).eval()
