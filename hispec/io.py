@@ -1,0 +1,79 @@
+"""Small filesystem helpers: atomic folder writes and model-source resolution (local folder, Hub id, .gguf)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(dtype) -> torch.dtype | None:
+    """'bf16' / 'float32' / torch.dtype / None -> torch.dtype or None; a clear error otherwise."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    if dtype == "auto":
+        return None
+    raise ValueError(f"unknown dtype {dtype!r}; choose one of fp32, bf16, fp16")
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, overwrite: bool = False):
+    """Yield a temporary sibling folder; on success it replaces `target` in one rename.
+
+    A crash or exception leaves `target` untouched (or absent) and removes the temporary folder, so a
+    half-written folder never appears under the final name. An existing target is refused unless `overwrite`.
+    """
+    target = Path(target).absolute()
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True (--overwrite) to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, trash / "old")
+            os.replace(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_json(path: str | os.PathLike, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def resolve_file(name_or_path: str, filename: str, revision: str | None = None) -> str:
+    """Path of `filename` inside a local folder, or downloaded from the Hub repo `name_or_path`."""
+    local = Path(name_or_path)
+    if local.is_dir():
+        path = local / filename
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        return str(path)
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(name_or_path, filename, revision=revision)

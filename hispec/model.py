@@ -1,0 +1,344 @@
+"""`EarlyExitModel`: a frozen base causal LM plus exit heads at a draft layer and an intermediate-verifier layer.
+
+Contract:
+- `EarlyExitModel.from_base(model_or_path, draft_layer=..., verify_layer=..., head_type=...)` wraps a loaded
+  `PreTrainedModel` (or a Hub id / folder / .gguf file) with untrained heads.
+- `hispec.load(path_or_hub_id)` / `EarlyExitModel.save(path)` use the checkpoint format of design.md §5: a plain
+  HF folder (stock `AutoModelForCausalLM` loads it as the base model) whose config.json carries one namespaced
+  key `"hispec"`, plus `hispec_heads.safetensors`. A heads-only folder references its base by name and revision.
+- Heads whose recorded base does not match the loaded base (depth, hidden size, vocabulary, architecture) are
+  refused with a message that says what differs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .heads import HEAD_TYPES, ExitHead
+from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
+from .layers import DecoderAdapter
+
+FORMAT_VERSION = 1
+HEADS_FILE = "hispec_heads.safetensors"
+EXITS = ("draft", "verify")
+DEFAULT_GAMMA = 4
+DEFAULT_WINDOW = 4
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not fit the base model."""
+
+
+def default_exits(num_layers: int) -> tuple[int, int]:
+    """round(depth/8) and round(depth/4), kept inside 1 <= draft < verify < depth."""
+    draft = max(1, round(num_layers / 8))
+    verify = max(draft + 1, round(num_layers / 4))
+    return draft, verify
+
+
+def validate_exits(draft_layer: int, verify_layer: int, num_layers: int) -> None:
+    for name, layer in (("draft_layer", draft_layer), ("verify_layer", verify_layer)):
+        if not isinstance(layer, int) or not 1 <= layer < num_layers:
+            raise ValueError(
+                f"{name} {layer} is out of range for a {num_layers}-layer model; choose 1..{num_layers - 1}"
+            )
+    if not draft_layer < verify_layer:
+        raise ValueError(
+            f"draft_layer ({draft_layer}) must be below verify_layer ({verify_layer}): 1 <= L_d < L_i < {num_layers}"
+        )
+
+
+@dataclass
+class HispecConfig:
+    """What config.json's "hispec" key holds."""
+
+    draft_layer: int
+    verify_layer: int
+    head_type: str = "linear"
+    head_rank: int | None = None
+    draft_vocab_size: int | None = None
+    gamma: int = DEFAULT_GAMMA
+    window: int = DEFAULT_WINDOW
+    base: dict = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "exits": {"draft": self.draft_layer, "verify": self.verify_layer},
+            "head": {"type": self.head_type, "rank": self.head_rank, "shape": "residual-to-hidden"},
+            "draft_vocab_size": self.draft_vocab_size,
+            "decoding": {"gamma": self.gamma, "window": self.window},
+            "base": dict(self.base),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HispecConfig:
+        try:
+            version = int(d.get("version", 0))
+            if version > FORMAT_VERSION:
+                raise CheckpointError(
+                    f"checkpoint format version {version} is newer than this hispec ({FORMAT_VERSION}); upgrade hispec"
+                )
+            return cls(
+                draft_layer=int(d["exits"]["draft"]),
+                verify_layer=int(d["exits"]["verify"]),
+                head_type=d["head"]["type"],
+                head_rank=d["head"].get("rank"),
+                draft_vocab_size=d.get("draft_vocab_size"),
+                gamma=int(d.get("decoding", {}).get("gamma", DEFAULT_GAMMA)),
+                window=int(d.get("decoding", {}).get("window", DEFAULT_WINDOW)),
+                base=dict(d.get("base", {})),
+                version=version,
+            )
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"malformed 'hispec' config entry ({e!r}): {d}") from e
+
+
+def base_identity(model: nn.Module, revision: str | None = None) -> dict:
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return {
+        "name_or_path": getattr(config, "_name_or_path", "") or "",
+        "revision": revision,
+        "architectures": list(getattr(config, "architectures", None) or [type(model).__name__]),
+        "model_type": getattr(config, "model_type", None),
+        "num_hidden_layers": int(text.num_hidden_layers),
+        "hidden_size": int(text.hidden_size),
+        "vocab_size": int(text.vocab_size),
+    }
+
+
+def check_base_matches(recorded: dict, model: nn.Module, where: str = "heads") -> None:
+    actual = base_identity(model)
+    diffs = [
+        f"{k}: heads expect {recorded[k]!r}, model has {actual[k]!r}"
+        for k in ("num_hidden_layers", "hidden_size", "vocab_size", "architectures")
+        if recorded.get(k) is not None and recorded[k] != actual[k]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{where} were trained for base '{recorded.get('name_or_path')}' and do not fit this model "
+            f"('{actual['name_or_path']}'): " + "; ".join(diffs)
+        )
+
+
+def load_base_model(name_or_path: str, dtype=None, device=None, revision: str | None = None) -> nn.Module:
+    """A Hub id, a local HF folder or a `.gguf` file -> an eval-mode, frozen `PreTrainedModel`."""
+    dtype = parse_dtype(dtype)
+    path = str(name_or_path)
+    if path.endswith(".gguf"):
+        from .gguf import load_gguf_model
+
+        model = load_gguf_model(path, dtype=dtype, device=device)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"revision": revision} if revision else {}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if device is not None:
+            model = model.to(device)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None):
+    """The tokenizer that goes with `load_base_model(name_or_path)`, or None if there is none."""
+    path = str(name_or_path)
+    if path.endswith(".gguf"):
+        from .gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **({"revision": revision} if revision else {}))
+    except (OSError, ValueError):
+        return None
+
+
+class EarlyExitModel(nn.Module):
+    """A frozen base model with a draft head at `draft_layer` and a verifier head at `verify_layer`."""
+
+    def __init__(self, base: nn.Module, config: HispecConfig, tokenizer=None):
+        super().__init__()
+        self.base = base
+        self.adapter = DecoderAdapter(base)
+        validate_exits(config.draft_layer, config.verify_layer, self.adapter.num_layers)
+        if config.head_type not in HEAD_TYPES:
+            raise ValueError(f"unknown head type '{config.head_type}'; choose one of {', '.join(HEAD_TYPES)}")
+        if not config.base:
+            config.base = base_identity(base)
+        self.hispec_config = config
+        self.tokenizer = tokenizer
+        rank = config.head_rank or 64
+        self.heads = nn.ModuleDict(
+            {
+                name: ExitHead(config.head_type, self.adapter.final_norm, self.adapter.hidden_size, rank=rank)
+                for name in EXITS
+            }
+        )
+        self.heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def draft_layer(self) -> int:
+        return self.hispec_config.draft_layer
+
+    @property
+    def verify_layer(self) -> int:
+        return self.hispec_config.verify_layer
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.dtype
+
+    def exit_logits(self, exit_name: str, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden `[.., H]` at exit `exit_name` ('draft' / 'verify') -> logits `[.., V]`."""
+        return self.adapter.project(self.heads[exit_name](hidden), vocab)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_base(
+        cls,
+        model_or_path,
+        draft_layer: int | None = None,
+        verify_layer: int | None = None,
+        head_type: str = "linear",
+        *,
+        head_rank: int | None = None,
+        gamma: int = DEFAULT_GAMMA,
+        window: int = DEFAULT_WINDOW,
+        dtype=None,
+        device=None,
+        revision: str | None = None,
+        tokenizer=None,
+    ) -> EarlyExitModel:
+        """Wrap a loaded model (or anything `load_base_model` accepts) with untrained heads."""
+        if isinstance(model_or_path, nn.Module):
+            base = model_or_path
+            dt = parse_dtype(dtype)
+            if dt is not None or device is not None:
+                base = base.to(device=device, dtype=dt)
+            base.eval()
+        else:
+            base = load_base_model(model_or_path, dtype=dtype, device=device, revision=revision)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model_or_path, revision=revision)
+        n = DecoderAdapter(base).num_layers
+        d_default, v_default = default_exits(n)
+        config = HispecConfig(
+            draft_layer=d_default if draft_layer is None else draft_layer,
+            verify_layer=v_default if verify_layer is None else verify_layer,
+            head_type=head_type,
+            head_rank=head_rank if head_type == "lowrank" else None,
+            gamma=gamma,
+            window=window,
+            base=base_identity(base, revision),
+        )
+        if not isinstance(model_or_path, nn.Module):
+            config.base["name_or_path"] = str(model_or_path)
+        return cls(base, config, tokenizer=tokenizer)
+
+    def heads_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.heads.state_dict().items()}
+
+    def load_heads(self, path: str | os.PathLike) -> None:
+        """Load `hispec_heads.safetensors` into the heads; clear errors for unreadable or ill-fitting files."""
+        try:
+            state = load_file(str(path), device=str(self.device))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"could not read heads file {path}: {e} (truncated or corrupt?)") from e
+        try:
+            self.heads.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"heads file {path} does not fit these heads: {e}") from e
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False, heads_only: bool = False) -> Path:
+        """Write the checkpoint folder atomically (temporary sibling, then one rename)."""
+        with atomic_dir(path, overwrite=overwrite) as tmp:
+            if heads_only:
+                self.base.config.to_json_file(str(tmp / "config.json"))
+            else:
+                self.base.save_pretrained(tmp, safe_serialization=True)
+            cfg = read_json(tmp / "config.json")
+            cfg["hispec"] = self.hispec_config.to_dict()
+            cfg["hispec"]["heads_only"] = heads_only
+            write_json(tmp / "config.json", cfg)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+            save_file(self.heads_state_dict(), str(tmp / HEADS_FILE), metadata={"format": "pt", "hispec": "1"})
+        return Path(path)
+
+    # ------------------------------------------------------------------ decoding
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Decode with strategy 'ar' | 'self-spec' | 'hispec'; see `hispec.decoding.generate`."""
+        from .decoding import generate
+
+        return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: str | None = None) -> EarlyExitModel:
+    """Load a hispec checkpoint (local folder or Hub id): base + heads, checked against each other."""
+    name = str(path_or_hub_id)
+    if name.endswith(".gguf"):
+        raise CheckpointError(
+            f"{name} is a GGUF base model, not a hispec checkpoint; use EarlyExitModel.from_base({name!r}, ...)"
+        )
+    try:
+        cfg = read_json(resolve_file(name, "config.json", revision))
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{name} is not a model folder: {e}") from e
+    if "hispec" not in cfg:
+        raise CheckpointError(
+            f"{name} has no 'hispec' entry in config.json: it is a plain model, not a hispec checkpoint. "
+            "Wrap it with EarlyExitModel.from_base(...) and train heads, or export a trained run with hispec-export."
+        )
+    hconf = HispecConfig.from_dict(cfg["hispec"])
+    heads_file = resolve_file(name, HEADS_FILE, revision)
+    if cfg["hispec"].get("heads_only"):
+        base_ref = hconf.base.get("name_or_path")
+        if not base_ref:
+            raise CheckpointError(f"{name} is heads-only but records no base model name")
+        base = load_base_model(base_ref, dtype=dtype, device=device, revision=hconf.base.get("revision"))
+        tokenizer = load_tokenizer(name, revision) or load_tokenizer(base_ref, hconf.base.get("revision"))
+    else:
+        base = load_base_model(name, dtype=dtype, device=device, revision=revision)
+        tokenizer = load_tokenizer(name, revision)
+    check_base_matches(hconf.base, base, where=f"heads in {name}")
+    model = EarlyExitModel(base, hconf, tokenizer=tokenizer)
+    model.load_heads(heads_file)
+    return model
+
+
+__all__ = [
+    "EarlyExitModel",
+    "HispecConfig",
+    "CheckpointError",
+    "load",
+    "load_base_model",
+    "load_tokenizer",
+    "default_exits",
+    "validate_exits",
+]
