@@ -68,7 +68,10 @@ def write_json(path: str | os.PathLike, data: dict) -> None:
 
 def resolve_file(name_or_path: str, filename: str, revision: str | None = None) -> str:
     """Path of `filename` inside a local folder, or downloaded from the Hub repo `name_or_path`."""
-    local = Path(name_or_path)
+    local = Path(name_or_path).expanduser()
+    looks_local = local.exists() or str(name_or_path).startswith(("/", ".", "~")) or os.sep + os.sep in str(name_or_path)
+    if looks_local and not local.is_dir():
+        raise FileNotFoundError(f"{local} is not a folder")
     if local.is_dir():
         path = local / filename
         if not path.exists():

@@ -157,7 +157,8 @@ class DecoderAdapter:
         impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
         if impl not in _SUPPORTED_ATTN:
             raise UnsupportedModelError(
-                f"hispec runs attention through masks it builds itself and supports attn_implementation "
+                f"model type '{_model_type(self.model)}': hispec runs attention through masks it builds itself "
+                f"and supports attn_implementation "
                 f"{' or '.join(_SUPPORTED_ATTN)}; this model uses '{impl}'. Load it with attn_implementation='sdpa'."
             )
         return impl

@@ -30,6 +30,7 @@ HEADS_FILE = "hispec_heads.safetensors"
 EXITS = ("draft", "verify")
 DEFAULT_GAMMA = 4
 DEFAULT_WINDOW = 4
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class CheckpointError(ValueError):
@@ -162,6 +163,9 @@ def load_tokenizer(name_or_path: str, revision: str | None = None):
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
+    local = Path(path)
+    if local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
+        return None  # transformers would build an empty placeholder tokenizer for some model types
     try:
         return AutoTokenizer.from_pretrained(path, **({"revision": revision} if revision else {}))
     except (OSError, ValueError):
@@ -182,6 +186,8 @@ class EarlyExitModel(nn.Module):
             config.base = base_identity(base)
         self.hispec_config = config
         self.tokenizer = tokenizer
+        if config.head_type == "lowrank" and not config.head_rank:
+            config.head_rank = min(64, self.adapter.hidden_size)
         rank = config.head_rank or 64
         self.heads = nn.ModuleDict(
             {
@@ -258,7 +264,8 @@ class EarlyExitModel(nn.Module):
             base=base_identity(base, revision),
         )
         if not isinstance(model_or_path, nn.Module):
-            config.base["name_or_path"] = str(model_or_path)
+            local = Path(str(model_or_path)).expanduser()
+            config.base["name_or_path"] = str(local.absolute()) if local.exists() else str(model_or_path)
         return cls(base, config, tokenizer=tokenizer)
 
     def heads_state_dict(self) -> dict[str, torch.Tensor]:
@@ -275,20 +282,31 @@ class EarlyExitModel(nn.Module):
         except RuntimeError as e:
             raise CheckpointError(f"heads file {path} does not fit these heads: {e}") from e
 
-    def save(self, path: str | os.PathLike, *, overwrite: bool = False, heads_only: bool = False) -> Path:
+    def write_into(self, folder: str | os.PathLike, *, heads_only: bool = False,
+                   max_shard_size: str | int = "5GB") -> None:
+        """Write the checkpoint files into an existing folder (`save` wraps this in an atomic write)."""
+        folder = Path(folder)
+        if heads_only and not self.hispec_config.base.get("name_or_path"):
+            raise CheckpointError(
+                "a heads-only checkpoint must reference its base by name or path, but this base model has none; "
+                "load the base from a folder or Hub id (or set hispec_config.base['name_or_path'])"
+            )
+        if heads_only:
+            self.base.config.to_json_file(str(folder / "config.json"))
+        else:
+            self.base.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+        cfg = read_json(folder / "config.json")
+        cfg["hispec"] = {**self.hispec_config.to_dict(), "heads_only": heads_only}
+        write_json(folder / "config.json", cfg)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(folder)
+        save_file(self.heads_state_dict(), str(folder / HEADS_FILE), metadata={"format": "pt", "hispec": "1"})
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False, heads_only: bool = False,
+             max_shard_size: str | int = "5GB") -> Path:
         """Write the checkpoint folder atomically (temporary sibling, then one rename)."""
         with atomic_dir(path, overwrite=overwrite) as tmp:
-            if heads_only:
-                self.base.config.to_json_file(str(tmp / "config.json"))
-            else:
-                self.base.save_pretrained(tmp, safe_serialization=True)
-            cfg = read_json(tmp / "config.json")
-            cfg["hispec"] = self.hispec_config.to_dict()
-            cfg["hispec"]["heads_only"] = heads_only
-            write_json(tmp / "config.json", cfg)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
-            save_file(self.heads_state_dict(), str(tmp / HEADS_FILE), metadata={"format": "pt", "hispec": "1"})
+            self.write_into(tmp, heads_only=heads_only, max_shard_size=max_shard_size)
         return Path(path)
 
     # ------------------------------------------------------------------ decoding
@@ -316,7 +334,10 @@ def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: s
             "Wrap it with EarlyExitModel.from_base(...) and train heads, or export a trained run with hispec-export."
         )
     hconf = HispecConfig.from_dict(cfg["hispec"])
-    heads_file = resolve_file(name, HEADS_FILE, revision)
+    try:
+        heads_file = resolve_file(name, HEADS_FILE, revision)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{name} has no {HEADS_FILE}: {e}") from e
     if cfg["hispec"].get("heads_only"):
         base_ref = hconf.base.get("name_or_path")
         if not base_ref:

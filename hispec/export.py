@@ -1,0 +1,519 @@
+"""Turn a training run's output into a hispec checkpoint folder (design.md §5), with a model card, and push it.
+
+Contract:
+- `read_train_output(dir)` reads what `train/heads.py` writes: `hispec_heads.safetensors` (keys as
+  `EarlyExitModel.heads_state_dict()`), `hispec_train.json` = {"hispec", "base", "args", "data"} and an optional
+  free-form `metrics.json`.
+- `build_model(run, base=None, dtype=None)` loads the recorded base (or `base`: a folder, Hub id or .gguf), refuses
+  one that does not fit the heads (depth, hidden size, vocabulary, architecture), and loads the heads. LoRA keys in
+  the heads file (peft layout, `<module>.lora_A[.<adapter>].weight`) are merged with peft `merge_and_unload` first,
+  so the checkpoint always holds plain head weights; today's head types never produce them, a LoRA-trained head
+  type only needs its `lora_alpha` recorded in the run's args (or the heads file's metadata).
+- `export(...)` writes the folder atomically: everything, README.md included, goes into a temporary sibling that
+  is renamed into place at the end, so an interrupted export never leaves a folder under the final name.
+- `push_to_hub(folder, repo_id, ...)` uploads a finished folder (create_repo + upload_folder); any Hub or network
+  failure raises `HubPushError` and never touches the local folder.
+Nothing here contacts the Hub unless the base is a Hub id or a push is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from .io import atomic_dir, read_json
+from .model import (
+    HEADS_FILE,
+    CheckpointError,
+    EarlyExitModel,
+    HispecConfig,
+    base_identity,
+    check_base_matches,
+    load_base_model,
+    load_tokenizer,
+)
+
+TRAIN_FILE = "hispec_train.json"
+METRICS_FILE = "metrics.json"
+CARD_FILE = "README.md"
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+CARD_TAGS = ("hispec", "early-exit", "speculative-decoding")
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ExportError(ValueError):
+    """The training output or the export request is unusable; the message says what to do."""
+
+
+class HubPushError(RuntimeError):
+    """Uploading to the Hugging Face Hub failed; the local export is left as it was."""
+
+
+def _log(msg: str) -> None:
+    print(f"[hispec-export] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- training output
+@dataclass
+class TrainRun:
+    """What one training run left in its output folder."""
+
+    folder: Path
+    hispec: dict  # HispecConfig.to_dict()
+    base: dict  # base identity: name_or_path, revision, architectures, depth, hidden size, vocab size
+    args: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def heads_file(self) -> Path:
+        return self.folder / HEADS_FILE
+
+    @property
+    def recorded_base(self) -> dict:
+        """The base identity, the top-level "base" entry winning over the copy inside "hispec"."""
+        return {**self.hispec.get("base", {}), **{k: v for k, v in self.base.items() if v is not None}}
+
+
+def read_train_output(folder: str | os.PathLike) -> TrainRun:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportError(f"training output folder {folder} does not exist")
+    for name in (TRAIN_FILE, HEADS_FILE):
+        if not (folder / name).is_file():
+            raise ExportError(
+                f"{folder / name} is missing: {folder} is not a finished train/heads.py output folder "
+                f"(it needs {TRAIN_FILE} and {HEADS_FILE})"
+            )
+    try:
+        train = read_json(folder / TRAIN_FILE)
+        metrics = read_json(folder / METRICS_FILE) if (folder / METRICS_FILE).is_file() else {}
+    except ValueError as e:  # json.JSONDecodeError
+        raise ExportError(f"unreadable JSON in {folder}: {e}") from e
+    if not isinstance(train.get("hispec"), dict):
+        raise ExportError(f"{folder / TRAIN_FILE} has no 'hispec' entry (the HispecConfig of the run)")
+    return TrainRun(folder=folder, hispec=train["hispec"], base=dict(train.get("base") or {}),
+                    args=dict(train.get("args") or {}), data=dict(train.get("data") or {}),
+                    metrics=metrics if isinstance(metrics, dict) else {"metrics": metrics})
+
+
+# ---------------------------------------------------------------------------------------------- heads
+def _read_heads_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Key -> shape and the metadata of a safetensors file, without loading tensors; a clear error if unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"could not read heads file {path}: {e} (truncated or corrupt?)") from e
+
+
+def _check_heads_fit(path: Path, shapes: dict[str, tuple[int, ...]], model: EarlyExitModel) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.heads.state_dict().items()}
+    problems = [f"missing {k}" for k in sorted(expected.keys() - shapes.keys())]
+    problems += [f"unexpected {k}" for k in sorted(shapes.keys() - expected.keys())]
+    problems += [
+        f"{k}: file has {list(shapes[k])}, heads need {list(expected[k])}"
+        for k in sorted(expected.keys() & shapes.keys())
+        if shapes[k] != expected[k]
+    ]
+    if problems:
+        cfg = model.hispec_config
+        raise CheckpointError(
+            f"heads file {path} does not fit '{cfg.head_type}' heads on a {model.num_layers}-layer, "
+            f"hidden-size-{model.adapter.hidden_size} model: " + "; ".join(problems[:8])
+            + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+        )
+
+
+def _lora_targets(keys) -> dict[str, str | None]:
+    """Module name -> adapter name (None in peft's saved-adapter layout) for every LoRA pair in `keys`."""
+    targets = {}
+    for k in keys:
+        m = _LORA_KEY.match(k)
+        if m:
+            targets[m["module"]] = m["adapter"]
+    return targets
+
+
+def merge_lora_heads(model: EarlyExitModel, state: dict[str, torch.Tensor], lora_alpha: float) -> None:
+    """Load a heads state dict holding peft LoRA weights into `model.heads` and merge them (peft merge_and_unload).
+
+    Accepts both layouts: the wrapped module's own state dict (`X.base_layer.weight`, `X.lora_A.default.weight`)
+    and peft's adapter layout (`X.weight`, `X.lora_A.weight`). Afterwards `model.heads` holds plain weights.
+    """
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraModel
+
+    targets = _lora_targets(state)
+    adapters = {a for a in targets.values() if a is not None}
+    if len(adapters) > 1:
+        raise CheckpointError(f"heads hold several LoRA adapters ({sorted(adapters)}); export one at a time")
+    adapter = adapters.pop() if adapters else "default"
+    ranks = {state[f"{m}.lora_A{'.' + a if a else ''}.weight"].shape[0] for m, a in targets.items()}
+    if len(ranks) != 1:
+        raise CheckpointError(f"LoRA heads with mixed ranks {sorted(ranks)} are not supported")
+    normalized = {}
+    for k, v in state.items():
+        m = _LORA_KEY.match(k)
+        if m:
+            k = f"{m['module']}.lora_{m['ab']}.{adapter}.weight"
+        else:
+            module, _, leaf = k.rpartition(".")
+            if module in targets and leaf in ("weight", "bias"):
+                k = f"{module}.base_layer.{leaf}"
+        normalized[k] = v
+    dtype = model.dtype
+    model.heads.float()  # merge in fp32, then back to the base's dtype
+    config = LoraConfig(r=ranks.pop(), lora_alpha=lora_alpha, target_modules=sorted(targets))
+    wrapped = LoraModel(model.heads, config, adapter)
+    try:
+        model.heads.load_state_dict({k: v.float() for k, v in normalized.items()}, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"LoRA heads do not fit these heads: {e}") from e
+    model.heads = wrapped.merge_and_unload().to(dtype)
+
+
+def load_heads_checked(model: EarlyExitModel, path: str | os.PathLike, lora_alpha: float | None = None) -> None:
+    """`model.load_heads(path)` after checking keys and shapes (clear errors); LoRA heads are merged first."""
+    path = Path(path)
+    shapes, metadata = _read_heads_header(path)
+    if not _lora_targets(shapes):
+        _check_heads_fit(path, shapes, model)
+        model.load_heads(path)
+        return
+    if lora_alpha is None and "lora_alpha" in metadata:
+        lora_alpha = float(metadata["lora_alpha"])
+    if lora_alpha is None:
+        raise CheckpointError(
+            f"heads file {path} holds LoRA weights but the run records no lora_alpha (args.lora_alpha in "
+            f"{TRAIN_FILE} or 'lora_alpha' in the file's metadata); it is needed to merge them"
+        )
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"could not read heads file {path}: {e} (truncated or corrupt?)") from e
+    merge_lora_heads(model, state, lora_alpha)
+
+
+# ---------------------------------------------------------------------------------------------- model
+def build_model(run: TrainRun, base: str | None = None, *, base_revision: str | None = None,
+                dtype=None) -> EarlyExitModel:
+    """Base (recorded by the run, or `base`) + the run's heads, checked against each other."""
+    recorded = run.recorded_base
+    source = str(base) if base else recorded.get("name_or_path")
+    revision = base_revision if (base or base_revision) else recorded.get("revision")
+    if not source:
+        raise ExportError(f"{run.folder / TRAIN_FILE} records no base model name; pass --base")
+    if Path(source).exists():  # a local folder / .gguf: record it so the checkpoint works from any directory
+        source = str(Path(source).absolute())
+    hconf = HispecConfig.from_dict(run.hispec)
+    _log(f"loading base {source}" + (f"@{revision}" if revision else ""))
+    model = load_base_model(source, dtype=dtype, revision=revision)
+    check_base_matches(recorded, model, where=f"heads in {run.folder}")
+    hconf.base = {**recorded, **base_identity(model, revision), "name_or_path": source}
+    tokenizer = load_tokenizer(source, revision)
+    ee = EarlyExitModel(model, hconf, tokenizer=tokenizer)
+    lora_alpha = run.args.get("lora_alpha")
+    load_heads_checked(ee, run.heads_file, None if lora_alpha is None else float(lora_alpha))
+    return ee
+
+
+# ---------------------------------------------------------------------------------------------- model card
+def _front_matter(text: str) -> dict:
+    if not text.startswith("---"):
+        return {}
+    end = text.find("\n---", 3)
+    if end < 0:
+        return {}
+    try:
+        meta = yaml.safe_load(text[3:end])
+    except yaml.YAMLError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def base_license(source: str, revision: str | None = None) -> str | None:
+    """The base model's licence where it is written down: a local README's YAML header, a .gguf's
+    `general.license`, or a Hub repo's README. None when unknown (offline, no card, no field)."""
+    path = Path(source)
+    if path.is_dir():
+        readme = path / CARD_FILE
+        return _front_matter(readme.read_text(encoding="utf-8")).get("license") if readme.is_file() else None
+    if source.endswith(".gguf"):
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            return None
+        field_ = GGUFReader(source).fields.get("general.license")
+        return bytes(field_.parts[field_.data[0]]).decode("utf-8") if field_ is not None else None
+    if not _HUB_ID.match(source):
+        return None
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import HTTPError
+
+    cached = try_to_load_from_cache(source, CARD_FILE, revision=revision)
+    if isinstance(cached, str):
+        return _front_matter(Path(cached).read_text(encoding="utf-8")).get("license")
+    try:  # one metadata request, no retries: offline this costs milliseconds
+        card = HfApi().model_info(source, revision=revision).card_data
+    except (OSError, HTTPError, ValueError):  # offline, gated, missing: the licence is simply unknown
+        return None
+    return getattr(card, "license", None) if card is not None else None
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    rows = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            rows += _flatten(v, key + ".")
+        else:
+            rows.append((key, v))
+    return rows
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        text = f"{v:.4g}" if math.isfinite(v) else str(v)
+    elif isinstance(v, (list, tuple)):
+        items = [_fmt(x) for x in v[:8]]
+        text = "[" + ", ".join(items) + (", ..." if len(v) > 8 else "") + "]"
+    else:
+        text = str(v)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(d: dict, header: tuple[str, str]) -> str:
+    rows = _flatten(d)
+    if not rows:
+        return "_(none recorded)_\n"
+    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"] + [f"| `{k}` | {_fmt(v)} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_model_card(run: TrainRun, model: EarlyExitModel, *, name: str, base_model: str | None,
+                      license: str | None, heads_only: bool = False) -> str:
+    """README.md: YAML header (base_model, library_name, tags, pipeline_tag, license) + what/how/figures/usage."""
+    cfg = model.hispec_config
+    base = cfg.base
+    header = {}
+    if license:
+        header["license"] = license
+    if base_model:
+        header["base_model"] = base_model
+    header["library_name"] = "hispec"
+    header["pipeline_tag"] = "text-generation"
+    header["tags"] = list(CARD_TAGS) + [t for t in (base.get("model_type"),) if t]
+    base_name = base_model or base.get("name_or_path") or "the base model"
+    rev = f" (revision `{base['revision']}`)" if base.get("revision") else ""
+    head_desc = cfg.head_type + (f" (rank {cfg.head_rank})" if cfg.head_rank else "")
+    contents = (
+        f"this folder holds only the exit heads and a config that references `{base_name}`{rev}; "
+        "`hispec.load` fetches the base itself."
+        if heads_only else
+        f"the base weights are unchanged, so stock `AutoModelForCausalLM.from_pretrained(\"{name}\")` loads it "
+        f"as the plain `{base_name}`; `hispec.load` adds the exit heads."
+    )
+    body = f"""
+# {name}
+
+An early-exit checkpoint of [`{base_name}`]{f'(https://huggingface.co/{base_model})' if base_model else ''}{rev} for
+lossless **hierarchical speculative decoding** with `hispec`: a draft head after layer {cfg.draft_layer} and an
+intermediate-verifier head after layer {cfg.verify_layer} of the frozen {base.get('num_hidden_layers', '?')}-layer model.
+The intermediate exit checks the drafts before the full model verifies them, so the output is exactly the base
+model's, only faster.
+
+In this checkpoint {contents}
+
+| exit | after layer | head |
+|---|---|---|
+| draft | {cfg.draft_layer} | {head_desc} |
+| verify | {cfg.verify_layer} | {head_desc} |
+| target | {base.get('num_hidden_layers', '?')} (all) | the model's own final norm + lm_head |
+
+Decoding defaults: gamma = {cfg.gamma} drafts per intermediate round, window = {cfg.window} tokens per full
+verification.
+
+## How the heads were trained
+
+The base model stayed frozen; the heads were distilled from the model's own final layer with `train/heads.py`.
+
+{_table(run.args, ('argument', 'value'))}
+Data:
+
+{_table(run.data, ('field', 'value'))}
+## Results
+
+Figures recorded by the training run (`{METRICS_FILE}`):
+
+{_table(run.metrics, ('metric', 'value'))}
+## How to use
+
+```python
+import hispec
+
+model = hispec.load("{name}")          # base + exit heads, checked against each other
+tok = model.tokenizer
+enc = tok("The capital of France is", return_tensors="pt")
+out = model.generate(enc.input_ids, attention_mask=enc.attention_mask,
+                     strategy="hispec", max_new_tokens=64)   # or "self-spec", "ar": same tokens
+print(tok.decode(out.sequences[0], skip_special_tokens=True))
+print(out.stats)                        # acceptance counts and timings
+```
+
+From the command line:
+
+```bash
+hispec-generate {name} --prompt "The capital of France is" --strategy hispec
+```
+
+## Files
+
+- `config.json`: the base config plus the `hispec` entry (exit layers, head type, decoding defaults, base identity)
+- `hispec_heads.safetensors`: the exit-head weights
+""" + ("" if heads_only else "- `model*.safetensors`: the unchanged base weights\n")
+    return "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n" + body
+
+
+def write_model_card(folder: Path, text: str) -> None:
+    (folder / CARD_FILE).write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- export
+@dataclass
+class ExportResult:
+    output_dir: Path
+    files: list[tuple[str, int]]  # (path relative to output_dir, bytes), sorted
+    heads_only: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def list_files(folder: Path) -> list[tuple[str, int]]:
+    return sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+
+
+def write_checkpoint_files(model: EarlyExitModel, folder: Path, *, heads_only: bool = False,
+                           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """What `EarlyExitModel.save` writes, into an existing (temporary) folder, with a shard size limit."""
+    model.write_into(folder, heads_only=heads_only, max_shard_size=max_shard_size)
+
+
+def _card_base_model(run: TrainRun, model: EarlyExitModel, override: str | None) -> str | None:
+    if override:
+        return override
+    for candidate in (run.recorded_base.get("name_or_path"), model.hispec_config.base.get("name_or_path")):
+        if candidate and _HUB_ID.match(candidate) and not Path(candidate).exists():
+            return candidate
+    return None
+
+
+def export(
+    train_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    base: str | None = None,
+    base_revision: str | None = None,
+    dtype=None,
+    heads_only: bool = False,
+    overwrite: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    base_model_id: str | None = None,
+    license: str | None = None,
+    name: str | None = None,
+) -> ExportResult:
+    """Training output -> checkpoint folder (atomic). `name` is what the model card tells users to load."""
+    out = Path(output_dir).absolute()
+    train_dir = Path(train_dir).absolute()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    run = read_train_output(train_dir)
+    for protected in (train_dir, base, run.recorded_base.get("name_or_path")):
+        if protected and Path(protected).exists() and Path(protected).absolute().resolve() == out.resolve():
+            raise ExportError(f"--output-dir {out} is an input of this export; choose another folder")
+    model = build_model(run, base, base_revision=base_revision, dtype=dtype)
+    source = model.hispec_config.base["name_or_path"]
+    card = render_model_card(
+        run, model, name=name or out.name, base_model=_card_base_model(run, model, base_model_id),
+        license=license or base_license(source, model.hispec_config.base.get("revision")), heads_only=heads_only,
+    )
+    _log(f"writing {'heads-only ' if heads_only else ''}checkpoint to {out}")
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        write_checkpoint_files(model, tmp, heads_only=heads_only, max_shard_size=max_shard_size)
+        write_model_card(tmp, card)
+    return ExportResult(output_dir=out, files=list_files(out), heads_only=heads_only)
+
+
+# ---------------------------------------------------------------------------------------------- hub
+def hub_api(endpoint: str | None = None):
+    """The Hub client; token from $HF_TOKEN or `hf auth login`. Tests replace this function."""
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=endpoint)
+
+
+def hub_token() -> str | None:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool | None = None,
+                revision: str | None = None, create_pr: bool = False, commit_message: str | None = None,
+                api=None) -> str:
+    """Upload `folder` to model repo `repo_id` (created if missing); returns the commit or PR URL.
+
+    `revision` is the branch to push to (created from main if missing); with `create_pr` a pull request is opened
+    against it instead. Any Hub or network failure raises `HubPushError`; the local folder is never modified.
+    """
+    from huggingface_hub.errors import HTTPError
+
+    folder = Path(folder)
+    api = api if api is not None else hub_api()
+    message = commit_message or f"Upload hispec early-exit checkpoint ({folder.name})"
+    step = "create the repository"
+    try:
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        if revision and not create_pr:
+            step = f"create branch '{revision}'"
+            api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
+        step = "upload the files"
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
+                                 commit_message=message, create_pr=create_pr or None)
+    except (OSError, HTTPError, ValueError) as e:  # HfHubHTTPError is an OSError; connection errors are HTTPError
+        raise HubPushError(
+            f"could not push to the Hub repo '{repo_id}' (failed to {step}): {type(e).__name__}: {e}\n"
+            f"The local export at {folder} is intact; retry later, or upload it with `hf upload {repo_id} {folder}`"
+        ) from e
+    return getattr(info, "pr_url", None) or getattr(info, "commit_url", None) or str(info)
+
+
+__all__ = [
+    "TrainRun",
+    "ExportResult",
+    "ExportError",
+    "HubPushError",
+    "read_train_output",
+    "build_model",
+    "load_heads_checked",
+    "merge_lora_heads",
+    "render_model_card",
+    "write_model_card",
+    "write_checkpoint_files",
+    "base_license",
+    "export",
+    "push_to_hub",
+    "list_files",
+]

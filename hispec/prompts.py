@@ -1,0 +1,95 @@
+"""Prompt files and chat rendering shared by the CLI, the benchmark and the tests.
+
+`load_prompts(path)` reads Spec-Bench / MT-Bench `question.jsonl` (first turn, with its category), ShareGPT json
+(first human turn) or any jsonl/json with a `prompt` (or `text`/`instruction`) field, or plain text (one per line).
+`encode_prompts(tokenizer, prompts, chat=True)` renders them with the chat template and left-pads a batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    category: str = "default"
+    id: str | int | None = None
+
+
+def _from_record(rec: dict, i: int) -> Prompt | None:
+    if "turns" in rec and rec["turns"]:
+        return Prompt(rec["turns"][0], rec.get("category", "default"), rec.get("question_id", i))
+    if "conversations" in rec:
+        first = next((c for c in rec["conversations"] if c.get("from") in ("human", "user")), None)
+        if first and first.get("value", "").strip():
+            return Prompt(first["value"], rec.get("category", "sharegpt"), rec.get("id", i))
+        return None
+    for key in ("prompt", "text", "instruction", "question"):
+        if isinstance(rec.get(key), str) and rec[key].strip():
+            return Prompt(rec[key], rec.get("category", "default"), rec.get("id", i))
+    return None
+
+
+def load_prompts(path: str | Path, num: int | None = None, categories: list[str] | None = None,
+                 spread: bool = True) -> list[Prompt]:
+    """Read prompts; with `categories` keep only those; `num` takes that many, spread over categories."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    elif path.suffix == ".json":
+        data = json.loads(text)
+        records = data if isinstance(data, list) else data.get("data", [])
+    else:
+        records = [{"prompt": line} for line in text.splitlines() if line.strip()]
+    prompts = [p for i, r in enumerate(records) if (p := _from_record(r, i)) is not None]
+    if categories:
+        prompts = [p for p in prompts if p.category in set(categories)]
+    if not prompts:
+        raise ValueError(f"no prompts found in {path}" + (f" for categories {categories}" if categories else ""))
+    if num is not None and num < len(prompts):
+        if spread:  # round-robin over categories, as Spec-Bench subsets are reported per category
+            by_cat: dict[str, list[Prompt]] = {}
+            for p in prompts:
+                by_cat.setdefault(p.category, []).append(p)
+            picked, lists = [], list(by_cat.values())
+            while len(picked) < num:
+                for lst in lists:
+                    if lst and len(picked) < num:
+                        picked.append(lst.pop(0))
+            prompts = picked
+        else:
+            prompts = prompts[:num]
+    return prompts
+
+
+def render(tokenizer, text: str, chat: bool = True) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+    return tokenizer(text)["input_ids"]
+
+
+def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return left_pad([render(tokenizer, t, chat) for t in texts], pad)
