@@ -25,5 +25,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# Fetch SmolLM2 -> take the shipped heads (or train briefly with RETRAIN=1) -> export -> benchmark 10 Spec-Bench
+# prompts (hf, hf-early-exit, self-spec, hispec); ends with one JSON line (lossless, speedups).
+demo: $(STAMP)
+	$(BIN)/python tools/demo.py $(if $(RETRAIN),--retrain) $(DEMO_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

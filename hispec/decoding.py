@@ -12,6 +12,8 @@ Per row (all tensors are `[B, ...]`; rows keep their own counts):
 - `ver[k][b]` tokens have been verified by level k (k >= 1); `ver[K]` are committed.
 - `done[j][b]` positions have passed range j. Invariant for j >= 1: `done[j] == ver[j] - 1`.
 
+The prompt is prefilled through all layers at once and the full model picks the first new token.
+
 Lossless: greedy verification keeps the longest prefix equal to the level's argmax; sampling uses speculative
 sampling at every level, with level k-1's stored probability rows as proposal and level k's as target, so the
 tokens a level accepts are exact samples of that level, and committed tokens are exact samples of the model.
@@ -195,10 +197,22 @@ class _Run:
 
     # ------------------------------------------------------------------ steps
     def prefill(self):
+        """All prompt tokens through all layers in one call per range (the same chunking as a plain forward, so
+        low-precision numerics match transformers), then the first new token from the full model."""
         t0 = time.perf_counter()
-        end = self.prompt_len - 1
+        end = self.prompt_len
+        out = None
         for j in range(self.K + 1):
-            self._advance(j, end)
+            out, _ = self._advance(j, end)
+        feats = out[torch.arange(len(end), device=end.device), end - 1][:, None]  # [B, 1, H]
+        logits = self._logits(self.K, feats)[:, 0]
+        token = sample(logits_to_probs(logits, **self.warp), self.generator) if self.do_sample else logits.argmax(-1)
+        self.tok.scatter_(1, end[:, None], token[:, None])
+        self.seq = end + 1
+        self.ver = [None] + [self.seq.clone() for _ in range(self.K)]
+        self.base = self.seq.clone()
+        self.stats.target_passes += 1
+        self.stats.target_row_passes += len(end)
         self.stats.seconds["prefill"] += time.perf_counter() - t0
 
     def draft_step(self):

@@ -1,0 +1,239 @@
+"""hispec-bench: latency and fidelity of hispec against transformers' own decoding, in one process.
+
+    hispec-bench --model ./smollm2-hispec --prompts spec_bench_question.jsonl --num-prompts 40 \\
+        --max-new-tokens 128 --dtype bf16 --threads 2 --plot speedup.png
+    hispec-bench --model ./smollm2-hispec --prompts spec_bench_question.jsonl --num-prompts 4 \\
+        --sweep --sweep-gammas 2,3,4,6 --sweep-windows 2,4,8 --write-defaults
+    hispec-bench --model HuggingFaceTB/SmolLM2-135M-Instruct --head-type shared --prompts q.jsonl \\
+        --sweep --sweep-draft-layers 2,4,6 --sweep-verify-layers 8,10 --sweep-gammas 3,4
+
+Every prompt (batch size 1, chat template applied) is decoded by every strategy, interleaved with a rotating order
+so machine drift hits all alike. Prints a fixed-width table to stdout and ends with one JSON line (the summary);
+progress goes to stderr. `hf` (transformers greedy `generate`) is the reference: a lossless strategy must
+reproduce its new tokens exactly. In bf16/fp16 two correct computations round differently and may part at a
+near-tie of the top two logits; every divergence is therefore re-evaluated in fp32 and its margin reported
+("lossless_up_to_ties"). Exit status: 0; 1 when a greedy run left hf beyond a rounding tie; 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_STRATEGIES = ("hf", "hf-early-exit", "ar", "self-spec", "hispec")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return vals
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..bench import STRATEGIES
+
+    p = argparse.ArgumentParser(prog="hispec-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    m = p.add_argument_group("model")
+    m.add_argument("--model", required=True,
+                   help="hispec checkpoint folder or Hub id; or a base model (folder, Hub id, .gguf) together with "
+                   "--draft-layer / --verify-layer / --head-type (untrained heads)")
+    m.add_argument("--draft-layer", type=int, help="treat --model as a base model; draft exit (default depth/8)")
+    m.add_argument("--verify-layer", type=int, help="treat --model as a base model; verifier exit (default depth/4)")
+    m.add_argument("--head-type", help="treat --model as a base model with heads of this type (default shared)")
+    m.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    m.add_argument("--device", default=None, help="torch device (default cpu)")
+    m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--prompts", required=True,
+                   help="Spec-Bench/MT-Bench question.jsonl, ShareGPT json, jsonl with a 'prompt' field, or text")
+    d.add_argument("--num-prompts", type=int, default=10,
+                   help="prompts to run, spread round-robin over categories (default 10; 0 = all)")
+    d.add_argument("--categories", type=_names, help="comma-separated categories to keep (e.g. writing,math)")
+    d.add_argument("--no-chat", action="store_true", help="feed the raw text, without the chat template")
+    r = p.add_argument_group("decoding")
+    r.add_argument("--strategies", type=_names, default=None,
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all but hf-prompt-lookup). "
+                   "With --sweep: which of self-spec, hispec to tune (default hispec)")
+    r.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    r.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, identity to hf checked (default); > 0 samples, identity not checked")
+    r.add_argument("--gamma", type=int, help="drafts per round (default: the checkpoint's)")
+    r.add_argument("--window", type=int, help="tokens gathered before full verification (default: the checkpoint's)")
+    r.add_argument("--prompt-lookup-tokens", type=int, default=10,
+                   help="hf-prompt-lookup: prompt_lookup_num_tokens (default 10)")
+    r.add_argument("--assistant-tokens", type=int,
+                   help="hf-early-exit: num_assistant_tokens (default: transformers' own, 20 with confidence stop)")
+    r.add_argument("--seed", type=int, default=0, help="seed for sampling runs (default 0)")
+    r.add_argument("--tie-tolerance", type=float,
+                   help="fp32 logit margin up to which a divergence from hf counts as a rounding tie "
+                   "(default: 0.5 for bf16, 0.1 for fp16, 0.001 for fp32)")
+    r.add_argument("--no-tie-check", action="store_true",
+                   help="do not re-evaluate divergences in fp32 (that check holds one fp32 copy of the base model)")
+    t = p.add_argument_group("timing and output")
+    t.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per strategy (default 1)")
+    t.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per prompt and strategy; a prompt's time is their median (default 1)")
+    t.add_argument("--json-out", help="write the full results (with per-prompt figures) to this JSON file")
+    t.add_argument("--plot", help="write a PNG of speedup vs hf by category and strategy")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    s = p.add_argument_group("sweep (greedy; picks the fastest setting whose outputs all equal hf's)")
+    s.add_argument("--sweep", action="store_true", help="sweep settings instead of comparing strategies")
+    s.add_argument("--sweep-draft-layers", type=_ints, help="draft exits to try, e.g. 2,4 (base models, shared heads)")
+    s.add_argument("--sweep-verify-layers", type=_ints, help="verifier exits to try, e.g. 8,10")
+    s.add_argument("--sweep-gammas", type=_ints, help="gammas to try, e.g. 2,3,4 (default: the checkpoint's)")
+    s.add_argument("--sweep-windows", type=_ints, help="windows to try, e.g. 2,4 (default: the checkpoint's)")
+    s.add_argument("--write-defaults", action="store_true",
+                   help="store the best gamma/window (and exits, for shared heads) in the checkpoint's config.json")
+    return p
+
+
+def load_model(args):
+    import hispec
+
+    if args.draft_layer is not None or args.verify_layer is not None or args.head_type is not None:
+        return hispec.EarlyExitModel.from_base(args.model, draft_layer=args.draft_layer,
+                                               verify_layer=args.verify_layer, head_type=args.head_type or "shared",
+                                               dtype=args.dtype, device=args.device), True
+    try:
+        return hispec.load(args.model, dtype=args.dtype, device=args.device), False
+    except hispec.CheckpointError as e:
+        if "no 'hispec' entry" in str(e):
+            raise hispec.CheckpointError(f"{e} (or benchmark it with untrained heads: add --head-type shared)") from e
+        raise
+
+
+def _check_args(args) -> str | None:
+    if args.max_new_tokens < 1:
+        return "--max-new-tokens must be >= 1"
+    if args.num_prompts < 0:
+        return "--num-prompts must be >= 0"
+    if args.write_defaults and not args.sweep:
+        return "--write-defaults only works with --sweep"
+    if args.sweep and args.temperature != 0:
+        return "--sweep checks identical outputs and runs greedy only; drop --temperature"
+    if args.plot and args.sweep:
+        return "--plot is for the strategy comparison, not --sweep"
+    if not args.sweep and any(v is not None for v in (args.sweep_draft_layers, args.sweep_verify_layers,
+                                                      args.sweep_gammas, args.sweep_windows)):
+        return "--sweep-* values need --sweep"
+    return None
+
+
+def _sweep(args, model, from_base: bool, prompts, config, progress: bool) -> int:
+    from .. import bench
+
+    h = model.hispec_config
+    layers_free = from_base or h.head_type == "shared"
+    strategies = args.strategies or ["hispec"]
+    draft = args.sweep_draft_layers or [h.draft_layer]
+    verify = args.sweep_verify_layers or [h.verify_layer]
+    if not layers_free and (set(draft) != {h.draft_layer} or set(verify) != {h.verify_layer}):
+        raise ValueError(
+            f"the heads in {args.model} were trained for draft layer {h.draft_layer} and verify layer "
+            f"{h.verify_layer}: on a trained checkpoint sweep only --sweep-gammas/--sweep-windows; layer sweeps "
+            "need a base model with --head-type shared (or norm)"
+        )
+    settings = bench.sweep_settings(strategies, draft, verify, args.sweep_gammas or [h.gamma],
+                                    args.sweep_windows or [h.window], model.num_layers)
+    if args.write_defaults and from_base:
+        raise ValueError("--write-defaults needs a hispec checkpoint folder as --model, not a base model")
+    result = bench.run_sweep(model, prompts, settings, config, layers_free=layers_free, progress=progress)
+    print(bench.format_sweep_table(result), flush=True)
+    out = result.as_dict()
+    best = result.best
+    out["written"] = None
+    if args.write_defaults:
+        if best is None:
+            print("not writing defaults: no setting was lossless", file=sys.stderr)
+        else:
+            write_exits = h.head_type == "shared"
+            moved = (best.setting.draft_layer, best.setting.verify_layer or h.verify_layer) != (
+                h.draft_layer, h.verify_layer)
+            if moved and not write_exits:  # cannot happen for checkpoints (checked above); kept as a guard
+                raise ValueError("the best setting moves the exits, but the heads exist only at the trained ones")
+            bench.write_decoding_defaults(args.model, best.setting, write_exits=write_exits and moved)
+            out["written"] = {"path": f"{args.model}/config.json", "gamma": best.setting.gamma,
+                              "window": best.setting.window,
+                              "exits": [best.setting.draft_layer, best.setting.verify_layer] if write_exits and moved
+                              else None}
+            print(f"wrote {best.setting.label} into {args.model}/config.json", file=sys.stderr)
+    if args.json_out:
+        _write_json(args.json_out, out)
+    print(json.dumps(out), flush=True)
+    return 0 if best is not None else 1
+
+
+def _write_json(path: str, data: dict) -> None:
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _check_args(args)
+    if problem:
+        parser.error(problem)
+
+    import torch
+    import transformers
+
+    from .. import bench
+    from ..model import CheckpointError
+    from ..prompts import load_prompts
+
+    transformers.utils.logging.set_verbosity_error()  # generation-config chatter would drown the table
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = not args.no_progress
+    try:
+        config = bench.BenchConfig(
+            strategies=("hf",) if args.sweep else tuple(args.strategies or DEFAULT_STRATEGIES),
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
+            window=args.window, warmup=args.warmup, repeats=args.repeats, seed=args.seed, chat=not args.no_chat,
+            prompt_lookup_tokens=args.prompt_lookup_tokens, assistant_tokens=args.assistant_tokens,
+            tie_tolerance=args.tie_tolerance, tie_check=not args.no_tie_check,
+        )
+        prompts = load_prompts(args.prompts, num=args.num_prompts or None, categories=args.categories)
+        print(f"[hispec-bench] loading {args.model}", file=sys.stderr, flush=True)
+        model, from_base = load_model(args)
+        if model.tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer files; the benchmark renders text prompts and needs one")
+        print(f"[hispec-bench] {len(prompts)} prompts, {model.num_layers} layers, exits "
+              f"{model.draft_layer}/{model.verify_layer}, {model.dtype}, {torch.get_num_threads()} threads",
+              file=sys.stderr, flush=True)
+        if args.sweep:
+            return _sweep(args, model, from_base, prompts, config, progress)
+        result = bench.run_bench(model, prompts, config, progress=progress)
+    except (CheckpointError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"hispec-bench: error: {e}", file=sys.stderr)
+        return 2
+    summary = bench.summarize(result)
+    print(bench.format_table(summary), flush=True)
+    if args.plot:
+        try:
+            print(f"[hispec-bench] wrote {bench.plot(summary, args.plot)}", file=sys.stderr)
+        except ValueError as e:
+            print(f"hispec-bench: error: {e}", file=sys.stderr)
+            return 2
+    if args.json_out:
+        _write_json(args.json_out, summary.as_dict(per_prompt=True))
+    print(json.dumps(summary.as_dict()), flush=True)
+    return 1 if summary.lossless_up_to_ties is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

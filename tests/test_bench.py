@@ -1,0 +1,292 @@
+"""hispec-bench (hispec.bench + hispec.cli.bench): strategy comparison, identity check, plot, sweep.
+
+Offline: a tiny random llama saved as a hispec checkpoint with a character-level tokenizer (and a chat template)
+stands in for a real model; one `real_model` test runs a short bench on the SmolLM2 demo model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import hispec
+from hispec import bench
+from hispec.cli.bench import main
+from hispec.model import EarlyExitModel
+from tiny import tiny_model
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-()\n"
+CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+PROMPTS = [
+    {"prompt": "write a poem about the sea.", "category": "writing"},
+    {"prompt": "what is 12 times 7?", "category": "math"},
+    {"prompt": "name three colours.", "category": "writing"},
+    {"prompt": "solve x + 3 = 5.", "category": "math"},
+]
+SUMMARY_KEYS = {"lossless", "lossless_up_to_ties", "speedup_vs_hf", "speedup_vs_self_spec", "reference",
+                "strategies", "categories", "config", "model", "hardware"}
+STRATEGY_KEYS = {"tokens_per_s", "speedup_vs_hf", "speedup_vs_self_spec", "tokens_per_target_pass",
+                 "verify_acceptance", "target_acceptance", "layer_evals_per_token", "time_share", "identical",
+                 "identical_up_to_ties"}
+
+
+def char_tokenizer():
+    """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<s>|."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT
+    return fast
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = EarlyExitModel.from_base(tiny_model("llama"), draft_layer=2, verify_layer=4, head_type="linear",
+                                     gamma=3, window=2, tokenizer=char_tokenizer())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # trained-looking heads: drafts are sometimes right, sometimes wrong
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.save(tmp_path_factory.mktemp("ckpt") / "tiny-hispec")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("base") / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def run_cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    lines = out.out.strip().splitlines()
+    return rc, out, json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+
+
+def common(model, prompts_file, tokens=12):
+    return ["--model", model, "--prompts", prompts_file, "--dtype", "fp32", "--max-new-tokens", tokens,
+            "--warmup", 0, "--threads", 1, "--no-progress"]
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def test_bench_prints_table_then_one_json_line_and_every_strategy_reproduces_hf(checkpoint, prompts_file, capsys,
+                                                                               tmp_path):
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", ",".join(bench.STRATEGIES),
+                               "--plot", tmp_path / "speedup.png", "--json-out", tmp_path / "full.json")
+    assert rc == 0, out.err
+    table = out.out.strip().splitlines()[:-1]
+    assert any(line.startswith("strategy") and "tok/s" in line for line in table)
+    for name in bench.STRATEGIES:
+        assert any(line.startswith(name + " ") for line in table), name
+    assert any(line.startswith("math ") for line in table) and any(line.startswith("writing ") for line in table)
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["lossless"] is True and summary["lossless_up_to_ties"] is True
+    assert summary["reference"] == "hf"
+    for name in bench.STRATEGIES:
+        s = summary["strategies"][name]
+        assert STRATEGY_KEYS <= s.keys()
+        assert s["identical"] == 1.0, name
+        assert s["tokens_per_s"] > 0
+        assert abs(sum(s["time_share"].values()) - 1.0) < 1e-6
+    assert summary["strategies"]["hf"]["speedup_vs_hf"] == 1.0
+    assert summary["speedup_vs_hf"] == summary["strategies"]["hispec"]["speedup_vs_hf"]
+    assert summary["speedup_vs_self_spec"] == summary["strategies"]["hispec"]["speedup_vs_self_spec"]
+    # per-stage counters: ar is one full pass per token; hispec's verifier saw drafts
+    assert summary["strategies"]["ar"]["tokens_per_target_pass"] == 1.0
+    assert summary["strategies"]["hf"]["layer_evals_per_token"] == pytest.approx(6.0)
+    assert summary["strategies"]["hispec"]["verify_acceptance"] is not None
+    assert summary["strategies"]["hf-early-exit"]["target_acceptance"] is not None
+    assert set(summary["categories"]) == {"math", "writing"}
+    assert summary["categories"]["math"]["prompts"] == 2
+    assert summary["categories"]["math"]["strategies"]["hispec"]["identical"] == 1.0
+    assert summary["hardware"]["threads"] == 1 and summary["hardware"]["torch"] == torch.__version__
+    assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    full = json.loads((tmp_path / "full.json").read_text())
+    assert len(full["per_prompt"]) == len(PROMPTS)
+    assert full["per_prompt"][0]["strategies"]["hispec"]["identical"] is True
+
+
+def test_num_prompts_and_categories_select_prompts(checkpoint, prompts_file, capsys):
+    rc, _, summary = run_cli(capsys, *common(checkpoint, prompts_file, 4), "--strategies", "hf,ar",
+                             "--categories", "math", "--num-prompts", 1)
+    assert rc == 0
+    assert summary["config"]["prompts"] == 1 and set(summary["categories"]) == {"math"}
+
+
+def test_sampling_runs_but_does_not_claim_identity(checkpoint, prompts_file, capsys):
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file, 6), "--strategies", "hf,hispec",
+                               "--temperature", "0.8", "--num-prompts", 2)
+    assert rc == 0, out.err
+    assert summary["lossless"] is None and summary["strategies"]["hispec"]["identical"] is None
+    assert summary["speedup_vs_self_spec"] is None  # self-spec was not run
+
+
+def test_bad_inputs_exit_2_before_any_work(checkpoint, prompts_file, capsys):
+    rc, out, _ = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", "hf,medusa")
+    assert rc == 2 and "medusa" in out.err
+    rc, out, _ = run_cli(capsys, *common(checkpoint, prompts_file / "missing.jsonl"))
+    assert rc == 2 and "does not exist" in out.err
+    rc, out, _ = run_cli(capsys, *common(checkpoint, prompts_file, 400))
+    assert rc == 2 and "context" in out.err
+    with pytest.raises(SystemExit):
+        main(["--model", str(checkpoint), "--prompts", str(prompts_file), "--write-defaults"])
+
+
+def _record(index, category, seconds, tokens_by_strategy):
+    rec = bench.PromptRecord(index, category, "p", 5)
+    for (s, toks), secs in zip(tokens_by_strategy.items(), seconds):
+        rec.samples[s] = [bench.Sample(secs, toks, bench.Counters(new_tokens=len(toks), target_passes=len(toks)))]
+    return rec
+
+
+def test_speedup_is_the_median_of_side_by_side_ratios_and_a_mismatch_breaks_identity():
+    cfg = bench.BenchConfig(strategies=("hf", "self-spec", "hispec"), max_new_tokens=4)
+    same = [1, 2, 3, 4]
+    records = [  # seconds per strategy (hf, self-spec, hispec); 4 tokens each
+        _record(0, "a", (4.0, 2.0, 1.0), {"hf": same, "self-spec": same, "hispec": same}),
+        _record(1, "a", (2.0, 2.0, 1.0), {"hf": same, "self-spec": same, "hispec": same}),
+        _record(2, "b", (8.0, 4.0, 2.0), {"hf": same, "self-spec": same, "hispec": [1, 2, 9, 4]}),
+    ]
+    records[2].margins["hispec"] = 3.0  # a clear error, not a rounding tie
+    result = bench.BenchResult(cfg, records, {"name_or_path": "x", "num_layers": 6, "draft_layer": 2,
+                                              "verify_layer": 4, "head_type": "linear", "dtype": "float32"},
+                               bench.hardware_info(), tie_tolerance=0.5)
+    summary = bench.summarize(result)
+    hs = summary.strategies["hispec"]
+    assert hs.speedup_vs_hf == pytest.approx(4.0)  # ratios 4, 2, 4 -> median 4
+    assert hs.speedup_vs_self_spec == pytest.approx(2.0)
+    assert hs.identical == pytest.approx(2 / 3) and hs.identical_up_to_ties == pytest.approx(2 / 3)
+    assert summary.lossless is False and summary.lossless_up_to_ties is False
+    assert summary.categories["b"]["strategies"]["hispec"]["identical"] == 0.0
+    assert summary.per_prompt[2]["strategies"]["hispec"]["first_mismatch"] == 2
+    records[2].margins["hispec"] = 0.1  # a near-tie: lossless up to rounding, not bit-identical
+    summary = bench.summarize(result)
+    assert summary.lossless is False and summary.lossless_up_to_ties is True
+    assert "lossless up to rounding ties" in bench.format_table(summary)
+
+
+def test_tie_checker_reports_the_fp32_margin_at_the_first_divergence(checkpoint):
+    model = hispec.load(checkpoint)
+    ids = torch.tensor([[5, 9, 14, 3]])
+    logits = model.base(ids).logits[0, -1]
+    top2 = logits.topk(2).indices.tolist()
+    margin = bench.TieChecker(model).margin(ids, torch.ones_like(ids), [top2[0]], [top2[1]])
+    assert margin == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-5) and margin >= 0
+
+
+# ---------------------------------------------------------------------------------------------- sweep
+def test_sweep_picks_a_lossless_setting_and_writes_it_into_the_checkpoint(checkpoint, prompts_file, capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    rc, out, result = run_cli(capsys, *common(ckpt, prompts_file, 10), "--num-prompts", 2, "--sweep",
+                              "--sweep-gammas", "1,2", "--sweep-windows", "1,3", "--write-defaults")
+    assert rc == 0, out.err
+    assert "fastest lossless setting" in out.out
+    assert len(result["results"]) == 4 and all(r["identical"] == 1.0 for r in result["results"])
+    best = result["best"]
+    assert best["gamma"] in (1, 2) and best["window"] in (1, 3)
+    assert (best["draft_layer"], best["verify_layer"]) == (2, 4)
+    assert best["speedup_vs_hf"] == max(r["speedup_vs_hf"] for r in result["results"])
+    assert result["written"]["gamma"] == best["gamma"]
+    cfg = json.loads((ckpt / "config.json").read_text())["hispec"]
+    assert cfg["decoding"] == {"gamma": best["gamma"], "window": best["window"]}
+    assert cfg["exits"] == {"draft": 2, "verify": 4}  # trained heads stay where they were trained
+    reloaded = hispec.load(ckpt)
+    assert (reloaded.hispec_config.gamma, reloaded.hispec_config.window) == (best["gamma"], best["window"])
+    assert not list(ckpt.glob(".config.json.*"))  # no temporary file left behind
+
+
+def test_layer_sweep_on_trained_heads_is_refused_before_any_work(checkpoint, prompts_file, capsys):
+    rc, out, _ = run_cli(capsys, *common(checkpoint, prompts_file), "--sweep", "--sweep-draft-layers", "1,2")
+    assert rc == 2 and "trained for draft layer 2" in out.err
+
+
+def test_layer_sweep_on_a_base_model_with_shared_heads_tries_every_valid_pair(base_dir, prompts_file, capsys):
+    rc, out, result = run_cli(capsys, *common(base_dir, prompts_file, 8), "--head-type", "shared", "--num-prompts", 1,
+                              "--sweep", "--strategies", "self-spec,hispec", "--sweep-draft-layers", "1,3",
+                              "--sweep-verify-layers", "3,4", "--sweep-gammas", "2")
+    assert rc == 0, out.err
+    labels = {r["label"] for r in result["results"]}
+    # hispec (1,3) (1,4) (3,4) -- (3,3) is invalid; self-spec once per draft layer
+    assert labels == {"hispec d1 v3 g2 w4", "hispec d1 v4 g2 w4", "hispec d3 v4 g2 w4",
+                      "self-spec d1 g2", "self-spec d3 g2"}
+    assert result["best"] is not None and set(result["best_per_strategy"]) == {"self-spec", "hispec"}
+    rc, out, _ = run_cli(capsys, *common(base_dir, prompts_file, 8), "--head-type", "shared", "--sweep",
+                         "--sweep-gammas", "2", "--write-defaults")
+    assert rc == 2 and "checkpoint" in out.err
+
+
+def test_write_defaults_replaces_config_atomically_and_keeps_other_keys(checkpoint, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    before = json.loads((ckpt / "config.json").read_text())
+    bench.write_decoding_defaults(ckpt, bench.Setting("hispec", 1, 3, 5, 6), write_exits=True)
+    after = json.loads((ckpt / "config.json").read_text())
+    assert after["hispec"]["decoding"] == {"gamma": 5, "window": 6}
+    assert after["hispec"]["exits"] == {"draft": 1, "verify": 3}
+    assert {k: v for k, v in after.items() if k != "hispec"} == {k: v for k, v in before.items() if k != "hispec"}
+
+
+# ---------------------------------------------------------------------------------------------- real model
+@pytest.mark.real_model
+def test_short_bench_on_the_demo_model_is_lossless(demo_model_dir, capsys):
+    from pathlib import Path
+
+    prompts = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "spec_bench_question.jsonl"
+    if not prompts.exists():
+        pytest.skip(f"Spec-Bench questions not found at {prompts}")
+    rc, out, summary = run_cli(capsys, "--model", demo_model_dir, "--head-type", "linear", "--prompts", prompts,
+                               "--num-prompts", 2, "--max-new-tokens", 16, "--dtype", "fp32", "--warmup", 0,
+                               "--no-progress", "--strategies", "hf,hf-early-exit,self-spec,hispec")
+    assert rc == 0, out.err
+    assert summary["lossless"] is True
+    assert summary["model"]["num_layers"] == 30 and summary["strategies"]["hispec"]["tokens_per_s"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- make demo
+def _demo_tool():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "hispec_tools_demo"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / "demo.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def test_demo_refuses_a_missing_prompt_file_before_any_work(tmp_path, capsys):
+    demo = _demo_tool()
+    assert demo.main(["--prompts", str(tmp_path / "none.jsonl"), "--cache-dir", str(tmp_path / "cache")]) == 2
+    assert "--prompts" in capsys.readouterr().err and not (tmp_path / "cache").exists()
+
+
+def test_demo_short_training_run_launches_the_recipe_on_the_local_model(tmp_path):
+    demo = _demo_tool()
+    cmd = demo.train_command(tmp_path / "model", tmp_path / "out", 7, ["--seed", "1"])
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert str(demo.TRAIN_SCRIPT) in cmd and str(demo.RECIPE) in cmd
+    i = cmd.index("--model_name_or_path")
+    assert cmd[i + 1] == str(tmp_path / "model")
+    assert cmd[cmd.index("--max_steps") + 1] == "7" and cmd[-2:] == ["--seed", "1"]  # extra arguments win
