@@ -23,36 +23,8 @@ from .cache import KVCache
 
 _NORM_NAMES = ("norm", "final_layer_norm", "final_layernorm", "ln_f", "norm_f")
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past", "past_key_value")
-_SUPPORTED_ATTN = ("sdpa", "eager", "hispec_sdpa")
-ROWWISE_SDPA = "hispec_sdpa"
+_SUPPORTED_ATTN = ("sdpa", "eager")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention — unless hispec passes `hispec_key_lengths` (one per query row). Then each
-    query row attends to its own key prefix in its own call, exactly as one-token decoding computes it: CPU kernels
-    round differently for several queries with masked tails, which in bf16 can flip a near-tie of the top logits.
-    query `[B, H, T, D]`, key/value `[B, KV, S, D]` -> (`[B, T, H, D]`, None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    lengths = kwargs.pop("hispec_key_lengths", None)
-    if lengths is None or query.shape[2] == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    rows = [
-        sdpa_attention_forward(module, query[:, :, t : t + 1], key[:, :, :n], value[:, :, :n], None, **kwargs)[0]
-        for t, n in enumerate(lengths)
-    ]
-    return torch.cat(rows, dim=1), None
-
-
-def _use_rowwise_sdpa(model: nn.Module) -> None:
-    """Route the model's sdpa attention through `_rowwise_sdpa` (identical to sdpa for every other caller)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(ROWWISE_SDPA, _rowwise_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ROWWISE_SDPA, sdpa_mask)  # plain forwards build the masks sdpa gets
-    model.set_attn_implementation(ROWWISE_SDPA)
 
 
 class UnsupportedModelError(ValueError):
@@ -156,9 +128,6 @@ class DecoderAdapter:
                 f"{', '.join(_CACHE_KWARGS)}"
             )
         self._layer_takes_pos_emb = "position_embeddings" in params
-        self._layer_takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        if getattr(model.config, "_attn_implementation", None) == "sdpa" and self._layer_takes_kwargs:
-            _use_rowwise_sdpa(model)
         if self.parts.rotary is not None and not self._layer_takes_pos_emb:
             raise UnsupportedModelError(
                 f"model type '{mtype}': the model has rotary_emb but its decoder layers take no position_embeddings"
@@ -259,7 +228,7 @@ class DecoderAdapter:
                 causal = bool(torch.equal(m, ref.expand_as(m)))
             elif causal:
                 causal = bool(m.all())
-            if impl != "eager" and causal:
+            if impl == "sdpa" and causal:
                 # Plain causal attention: give sdpa no mask, as transformers does (is_causal / GQA kernels), so
                 # low-precision numerics match a plain forward bit for bit.
                 masks[t] = None
@@ -295,13 +264,6 @@ class DecoderAdapter:
         kv_pos = torch.cat([old_pos, position_ids], 1)
         types = set(self.layer_types[start:end])
         masks = self._masks(kv_valid, kv_pos, position_ids, types, hidden.dtype)
-        rowwise = {}
-        if self.attn_implementation == ROWWISE_SDPA and B == 1 and T > 1 and bool(kv_valid.all()):
-            K = kv_valid.shape[1]
-            offset_causal = torch.ones(T, K, dtype=torch.bool, device=hidden.device).tril(K - T)[None, None]
-            rowwise = {t: list(range(K - T + 1, K + 1)) for t, m in masks.items()
-                       if m is not None and torch.equal(m, offset_causal)}
-
         rotary = {}
         if self.parts.rotary is not None:
             if self._rotary_by_type:
@@ -316,8 +278,6 @@ class DecoderAdapter:
             kwargs[self._cache_kw] = cache
             if rotary:
                 kwargs["position_embeddings"] = rotary[t]
-            if t in rowwise:
-                kwargs["hispec_key_lengths"] = rowwise[t]
             out = self.parts.layers[i](hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         cache.set_slot_meta(start, end, kv_valid, kv_pos)

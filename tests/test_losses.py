@@ -1,0 +1,146 @@
+"""Distillation loss (train/losses.py): KL against a reference, temperature, CE mix, chunking, padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiny import tiny_model
+from train.losses import (
+    IGNORE_INDEX,
+    distill_loss,
+    exit_states,
+    expected_tokens_per_round,
+    kl_per_token,
+    next_token_labels,
+)
+
+H, V = 16, 53
+
+
+def _problem(n=23, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g)
+    project = lambda x: x @ w.T  # noqa: E731  (a frozen "lm_head")
+    teacher = torch.randn(n, H, generator=g)
+    students = {k: torch.randn(n, H, generator=g, requires_grad=True) for k in ("draft", "verify")}
+    labels = torch.randint(0, V, (n,), generator=g)
+    labels[::5] = IGNORE_INDEX
+    return project, teacher, students, labels
+
+
+def test_kl_matches_reference_with_temperature():
+    project, teacher, students, _ = _problem()
+    T = 2.0
+    out = distill_loss(project, teacher, students, temperature=T)
+    ref_total = 0.0
+    for k, s in students.items():
+        p = F.softmax(project(teacher) / T, -1).double()
+        q = F.softmax(project(s) / T, -1).double()
+        ref = (p * (p.log() - q.log())).sum(-1).mean()
+        assert out.kl[k].item() == pytest.approx(ref.item(), rel=1e-5)
+        ref_total += T**2 * ref.item()
+    assert out.loss.item() == pytest.approx(ref_total, rel=1e-5)
+    # torch's own kl_div agrees with the per-token reference
+    t, s = project(teacher), project(students["draft"])
+    torch_kl = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True, reduction="batchmean")
+    assert kl_per_token(t, s, T).mean().item() == pytest.approx(torch_kl.item(), rel=1e-5)
+
+
+def test_ce_mix_is_cross_entropy_on_labelled_tokens():
+    project, teacher, students, labels = _problem()
+    out = distill_loss(project, teacher, {"draft": students["draft"]}, labels, ce_weight=1.0)
+    ref = F.cross_entropy(project(students["draft"]), labels, ignore_index=IGNORE_INDEX)
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    half = distill_loss(project, teacher, {"draft": students["draft"]}, labels, ce_weight=0.5)
+    assert half.loss.item() == pytest.approx(0.5 * ref.item() + 0.5 * out.kl["draft"].item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_chunked_loss_and_grads_equal_unchunked(chunk):
+    project, teacher, students, labels = _problem()
+    full = distill_loss(project, teacher, students, labels, temperature=1.5, ce_weight=0.3, chunk_size=10_000)
+    g_full = torch.autograd.grad(full.loss, list(students.values()))
+    part = distill_loss(project, teacher, students, labels, temperature=1.5, ce_weight=0.3, chunk_size=chunk)
+    g_part = torch.autograd.grad(part.loss, list(students.values()))
+    torch.testing.assert_close(part.loss, full.loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_part, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for k in students:
+        assert part.agree[k].item() == full.agree[k].item()
+
+
+def test_identical_student_has_zero_kl_and_full_agreement():
+    project, teacher, _, _ = _problem()
+    out = distill_loss(project, teacher, {"draft": teacher.clone().requires_grad_()}, chunk_size=5)
+    assert out.kl["draft"].abs().item() < 1e-6
+    assert out.agree["draft"].item() == 1.0
+
+
+def test_next_token_labels_skip_padding():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    valid = ids != 0
+    assert next_token_labels(ids, valid).tolist() == [[6, 7, -100, -100], [9, -100, -100, -100]]
+
+
+def test_padding_does_not_change_the_loss():
+    """A padded row in a batch gives the same per-token KL as the row alone (padding is ignored)."""
+    from train.heads import _batch_inputs
+
+    model = tiny_model("llama")
+    from hispec.model import EarlyExitModel
+
+    ee = EarlyExitModel.from_base(model, 2, 4, "linear")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in ee.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(2, 97, (2, 9))
+    long = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    padded = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+    alone = {"input_ids": ids[1:, :5], "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+
+    def kl_of(batch):
+        hidden, teacher, labels, row = _batch_inputs(batch, ee.adapter, (2, 4), torch.float32)
+        feats = {k: ee.heads[k](h) for k, h in hidden.items()}
+        out = distill_loss(ee.adapter.project, teacher, feats, labels, ce_weight=0.2, per_token=True)
+        return out, row
+
+    out_pad, row = kl_of(padded)
+    out_alone, _ = kl_of(alone)
+    assert out_pad.n_tokens == 9 + 5
+    torch.testing.assert_close(out_pad.kl_tokens["draft"][row == 1], out_alone.kl_tokens["draft"], rtol=1e-4,
+                               atol=1e-6)
+    # junk in the padded slots changes nothing
+    junk = dict(padded, input_ids=padded["input_ids"].masked_fill(mask == 0, 42))
+    torch.testing.assert_close(kl_of(junk)[0].loss, out_pad.loss)
+    assert out_pad.loss.item() != kl_of(long)[0].loss.item()
+
+
+def test_exit_states_match_hf_hidden_states():
+    """hs[l] of output_hidden_states is the residual after l layers; hs[L] is already normed (design.md §6)."""
+    model = tiny_model("qwen2")
+    from hispec.layers import DecoderAdapter
+
+    ad = DecoderAdapter(model)
+    ids = torch.randint(0, 97, (2, 7))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    pos = torch.arange(7).expand(2, 7)
+    states, final = exit_states(ad, ids, pos, mask, (1, 3))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(states[1], hs[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(states[3], hs[3], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final, hs[-1], rtol=1e-4, atol=1e-5)
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 3) == pytest.approx((1 - 0.5**4) / 0.5)
+    assert math.isclose(expected_tokens_per_round(0.8, 1), 1.8)

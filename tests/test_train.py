@@ -1,0 +1,317 @@
+"""The training entry point (train/heads.py) end to end on a tiny random model, offline.
+
+In-process: outputs and their format, the loss going down, resume after a kill equal to an uninterrupted run,
+bad configurations failing before training, recipes parsing. Subprocesses through `accelerate launch`: a
+DeepSpeed ZeRO-2 run on CPU (when deepspeed is installed) and a 2-process gloo run (both `slow`). One short
+`real_model` run on SmolLM2 with self-distillation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = "the cat sat on a mat and then it ran to the big red house where many dogs live".split()
+
+
+def char_tokenizer():
+    """A 97-token character tokenizer (fits tests/tiny.py's vocabulary) with a chat template; built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [chr(c) for c in range(32, 126)]
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    t = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    t.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return t
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny llama (6 layers, 97 tokens) + tokenizer saved as an HF folder, and two training files."""
+    from tiny import tiny_model
+
+    root = tmp_path_factory.mktemp("train_env")
+    model = tiny_model("llama")
+    model.config.eos_token_id = model.config.pad_token_id = 1
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaked distributions: exits and final layer clearly disagree at first
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 1
+    model.save_pretrained(root / "model")
+    char_tokenizer().save_pretrained(root / "model")
+    rng = random.Random(0)
+    with open(root / "train.jsonl", "w") as f:
+        for _ in range(24):
+            f.write(json.dumps({"question": " ".join(rng.choices(WORDS, k=rng.randint(4, 12)))}) + "\n")
+    chats = [{"conversations": [{"from": "human", "value": " ".join(rng.choices(WORDS, k=5))},
+                                {"from": "gpt", "value": " ".join(rng.choices(WORDS, k=6))}]} for _ in range(6)]
+    (root / "chat.json").write_text(json.dumps(chats))
+    (root / "blank.jsonl").write_text(json.dumps({"question": "  "}) + "\n")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """main() runs several times in this process; accelerate keeps process-wide singletons."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def _argv(env, out, *extra):
+    return ["--model_name_or_path", str(env / "model"),
+            "--train_file", str(env / "train.jsonl"), str(env / "chat.json"),
+            "--text_column", "question", "--messages_column", "conversations",
+            "--output_dir", str(out), "--max_seq_length", "48", "--per_device_train_batch_size", "2",
+            "--eval_fraction", "0.1", "--logging_steps", "1", *extra]
+
+
+def _run(argv):
+    """main(argv) with accelerate's process-wide state reset afterwards (several runs share this process)."""
+    from train.heads import main
+
+    try:
+        return main(argv)
+    finally:
+        fresh_accelerate_state_reset()
+
+
+def _heads(path):
+    return load_file(str(Path(path) / "hispec_heads.safetensors"))
+
+
+def test_end_to_end_writes_heads_config_and_metrics(env, tmp_path):
+    from hispec.model import EarlyExitModel
+    from train.heads import main
+
+    out = tmp_path / "run"
+    assert main(_argv(env, out, "--max_steps", "12", "--learning_rate", "3e-2", "--head_type", "lowrank",
+                      "--head_rank", "4", "--draft_layer", "2", "--verify_layer", "4", "--eval_steps", "6",
+                      "--temperature", "2.0")) == 0
+    heads = _heads(out)
+    base = EarlyExitModel.from_base(str(env / "model"), 2, 4, "lowrank", head_rank=4)
+    assert sorted(heads) == sorted(base.heads_state_dict())
+    base.load_heads(out / "hispec_heads.safetensors")  # loads strictly
+
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["hispec"]["exits"] == {"draft": 2, "verify": 4}
+    assert info["hispec"]["head"]["type"] == "lowrank" and info["hispec"]["head"]["rank"] == 4
+    assert info["base"]["num_hidden_layers"] == 6 and info["base"]["vocab_size"] == 97
+    assert info["args"]["learning_rate"] == 3e-2 and info["steps"] == 12
+    assert info["data"]["train_examples"] == 27 and info["data"]["eval_examples"] == 3
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = [h["step"] for h in metrics["history"]]
+    assert steps == [0, 6, 12]
+    first, last = metrics["history"][0], metrics["final"]
+    for k in ("draft", "verify"):
+        assert last[k]["kl"] < 0.8 * first[k]["kl"]  # the loss went down on held-out text
+        a = last[k]["top1_agreement"]
+        assert 0 <= a <= 1 and last[k]["expected_tokens_per_round"] == pytest.approx(
+            (1 - a ** (last["gamma"] + 1)) / (1 - a) if a < 1 else last["gamma"] + 1)
+    assert not list(out.glob(".*tmp*"))
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
+    """9 steps straight vs. killed after step 5 + `--resume_from_checkpoint latest` (from step 4, mid-epoch,
+    with gradient accumulation and an epoch boundary after it): identical heads, bit for bit."""
+    import train.heads as th
+
+    common = ("--max_steps", "9", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
+              "--eval_steps", "3", "--learning_rate", "1e-2")
+    straight = tmp_path / "straight"
+    assert _run(_argv(env, straight, *common)) == 0
+    info = json.loads((straight / "hispec_train.json").read_text())
+    assert info["data"]["steps_per_epoch"] < 9  # the run crosses an epoch boundary
+
+    killed = tmp_path / "killed"
+
+    def kill_after_5(step):
+        if step == 5:
+            raise _Killed
+
+    monkeypatch.setattr(th, "_step_hook", kill_after_5)
+    with pytest.raises(_Killed):
+        _run(_argv(env, killed, *common))
+    monkeypatch.undo()
+    ckpts = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert ckpts == ["step_2", "step_4"] and not (killed / "hispec_heads.safetensors").exists()
+    (killed / "checkpoints" / ".tmp_step_6").mkdir()  # a half-written checkpoint is never picked up
+
+    with pytest.raises(ValueError, match="already holds a run"):
+        _run(_argv(env, killed, *common))  # refuses to silently start over
+    assert _run(_argv(env, killed, *common, "--resume_from_checkpoint", "latest")) == 0
+    a, b = _heads(straight), _heads(killed)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ma = json.loads((straight / "metrics.json").read_text())
+    mb = json.loads((killed / "metrics.json").read_text())
+    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == [0, 3, 6, 9]
+    assert mb["final"] == ma["final"]
+    # save_total_limit (3) keeps the newest checkpoints only
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")) == [
+        "step_4", "step_6", "step_8"]
+
+
+def fresh_accelerate_state_reset():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--draft_layer", "9"), "draft_layer 9 is out of range for a 6-layer model; choose 1..5"),
+        (("--draft_layer", "3", "--verify_layer", "2"), "must be below verify_layer"),
+        (("--head_type", "mlp"), "unknown head type 'mlp'"),
+        (("--head_type", "shared"), "no trainable weights"),
+        (("--text_column", "nope"), "neither messages_column 'conversations' nor text_column 'nope'"),
+        (("--temperature", "0"), "temperature must be > 0"),
+    ],
+)
+def test_bad_config_fails_before_training(env, tmp_path, extra, message):
+    from train.heads import ConfigError, main
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        main(_argv(env, out, "--max_steps", "2", *extra))
+    assert not (out / "hispec_heads.safetensors").exists() and not (out / "checkpoints").exists()
+
+
+def test_lora_adapter_is_merged_before_training(env, tmp_path):
+    """--adapter_name_or_path: a peft LoRA adapter is merged into the frozen base; its name is recorded."""
+    peft = pytest.importorskip("peft")
+    from tiny import tiny_model
+
+    model = tiny_model("llama")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, config)
+    lora.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "run"
+    assert _run(_argv(env, out, "--max_steps", "1", "--adapter_name_or_path", str(tmp_path / "adapter"))) == 0
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["base"]["merged_adapter"] == str(tmp_path / "adapter")
+
+
+def test_empty_dataset_fails_before_training(env, tmp_path):
+    from train.heads import ConfigError, main
+
+    argv = ["--model_name_or_path", str(env / "model"), "--train_file", str(env / "blank.jsonl"),
+            "--text_column", "question", "--output_dir", str(tmp_path / "run"), "--max_steps", "2"]
+    with pytest.raises(ConfigError, match="training data is empty"):
+        main(argv)
+
+
+def test_yaml_gives_defaults_and_cli_wins(env, tmp_path):
+    from train.heads import ConfigError, parse_args
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model_name_or_path: {env / 'model'}\ntrain_file: {env / 'train.jsonl'}\n"
+                      "learning_rate: 0.5\nmax_steps: 7\nself_distill: true\noutput_dir: ~/x\n")
+    m, d, g, t = parse_args(["--config", str(recipe), "--max_steps", "3"])
+    assert t.learning_rate == 0.5 and t.max_steps == 3 and d.self_distill is True
+    assert d.train_file == [str(env / "train.jsonl")] and m.model_name_or_path == str(env / "model")
+    recipe.write_text("learning_rat: 0.5\n")
+    with pytest.raises(ConfigError, match="unknown field"):
+        parse_args(["--config", str(recipe)])
+
+
+def test_recipes_parse_and_state_their_launch_command():
+    from train.heads import parse_args
+
+    names = ("smollm2-135m", "llama3-8b", "llama2-7b", "codellama-7b", "qwen3-8b", "qwen2.5-7b", "mistral-7b")
+    recipes = [REPO / "recipes" / f"{n}.yaml" for n in names]
+    for r in recipes:
+        first = r.read_text().splitlines()[0]
+        assert first.startswith("#") and "accelerate launch" in first and "train/heads.py" in first, r
+        m, d, g, t = parse_args(["--config", str(r)])
+        assert m.model_name_or_path and (d.train_file or d.dataset_name), r
+    for cfg in (REPO / "recipes" / "accelerate").glob("*.yaml"):
+        assert "accelerate launch" in cfg.read_text().splitlines()[0] or "accelerate launch" in cfg.read_text()
+
+
+# ---------------------------------------------------------------------------------------------------- launched
+def _launch(args, env_extra=None, timeout=600):
+    env = dict(os.environ, **(env_extra or {}))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    accelerate = Path(sys.executable).parent / "accelerate"
+    return subprocess.run([str(accelerate), "launch", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_on_cpu(env, tmp_path):
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "z2"
+    res = _launch(["--config_file", "recipes/accelerate/zero2.yaml", "--num_processes", "1", "train/heads.py",
+                   *_argv(env, out, "--max_steps", "3", "--gradient_accumulation_steps", "2",
+                          "--checkpointing_steps", "2")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "checkpoints" / "step_2").is_dir()
+    heads = _heads(out)
+    assert any(v.abs().sum() > 0 for k, v in heads.items() if "adapter" in k)  # the zero-initialised adapters moved
+
+
+@pytest.mark.slow
+def test_two_process_gloo_run(env, tmp_path):
+    out = tmp_path / "mp"
+    res = _launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "train/heads.py", *_argv(env, out, "--max_steps", "3",
+                                                                      "--self_distill", "true",
+                                                                      "--gen_max_new_tokens", "8")],
+                  env_extra={"ACCELERATE_USE_CPU": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["data"]["world_size"] == 2
+    assert len(list((out / "self_distill").glob("part-rank*.jsonl"))) == 2  # answers were generated by both ranks
+    assert (out / "hispec_heads.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- real model
+@pytest.mark.real_model
+def test_smollm2_self_distill_smoke(demo_model_dir, tmp_path):
+    from train.heads import main
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": q}) + "\n" for q in
+                            ["What is 2 + 3?", "Name a colour.", "Say hello.", "What is the capital of France?"]))
+    out = tmp_path / "run"
+    assert main(["--model_name_or_path", str(demo_model_dir), "--train_file", str(data), "--text_column",
+                 "question", "--self_distill", "true", "--gen_max_new_tokens", "12", "--gen_batch_size", "4",
+                 "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                 "--max_seq_length", "64", "--eval_fraction", "0.25"]) == 0
+    rows = [json.loads(x) for x in (out / "self_distill" / "part-rank0.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["hispec"]["exits"] == {"draft": 4, "verify": 8}  # round(30/8), round(30/4)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["final"]["draft"]["top1_agreement"] >= 0

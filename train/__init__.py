@@ -1,0 +1,1 @@
+"""Training scripts for hispec exit heads (train/heads.py is the accelerate entry point)."""

@@ -1,0 +1,224 @@
+"""Training data for exit heads, through `datasets`.
+
+Contract:
+- `load_examples(cfg, seed)` reads local files (json / jsonl / parquet / txt) and/or a Hub dataset and returns
+  `(train, eval)` `datasets.Dataset`s with two columns: `messages` (a chat, list of {role, content}; empty for
+  plain text) and `text` (plain text; "" for chats). A file is read through whichever of `messages_column`
+  (chats: {role, content} or ShareGPT {from, value} turns, or alternating strings) and `text_column` it has; a
+  file with neither fails with the columns it does have. Held-out rows come from `eval_file` or a seeded
+  `eval_fraction` split. Empty results fail before any training.
+- `prompt_of(row)` gives the chat a model should answer for self-distillation (a text row becomes one user turn;
+  a trailing assistant turn is dropped so the model writes its own).
+- `tokenize(ds, tokenizer, max_seq_length, packing)`: chats are rendered with the tokenizer's chat template
+  (a plain "role: content" layout when it has none), text is tokenized as is; then truncation (padding mode) or
+  packing into `max_seq_length` blocks. Rows keep `input_ids` only.
+- `PadCollator(pad_id)`: right-pads a batch -> `input_ids`, `attention_mask` (`[B, T]` long).
+- `EpochSampler(n, seed)`: a random order fixed by (seed, epoch) and nothing else, so a resumed run sees the same
+  order; `set_epoch(e)` chooses the epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Sampler
+
+logger = logging.getLogger(__name__)
+
+_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+         "model": "assistant", "chatgpt": "assistant", "system": "system"}
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+class DataError(ValueError):
+    """The training data cannot be used; the message says which file/column and what to do."""
+
+
+def expand_path(p: str | None) -> str | None:
+    """`~` and `$VARS` expanded (recipes may say `~/.cache/...` or `${HISPEC_MODELS_DIR}/...`)."""
+    if p is None:
+        return None
+    return os.path.expanduser(os.path.expandvars(p))
+
+
+def builder_for(path: str) -> str:
+    ext = Path(path).suffix.lower()
+    if ext not in _BUILDERS:
+        raise DataError(f"cannot read {path}: unknown extension '{ext}'; use one of {', '.join(sorted(_BUILDERS))}")
+    return _BUILDERS[ext]
+
+
+def normalize_messages(turns, where: str = "") -> list[dict]:
+    """Chat turns in any common layout -> [{role, content}] (roles user/assistant/system)."""
+    if isinstance(turns, str):
+        turns = json.loads(turns)
+    out = []
+    for i, t in enumerate(turns or []):
+        if isinstance(t, str):
+            role, content = ("user" if i % 2 == 0 else "assistant"), t
+        elif isinstance(t, dict):
+            raw_role = t.get("role", t.get("from"))
+            content = t.get("content", t.get("value"))
+            role = _ROLE.get(str(raw_role).lower()) if raw_role is not None else None
+            if role is None or content is None:
+                raise DataError(
+                    f"{where}: chat turn {i} {dict(t)!r} has no usable role/content (expected keys role+content "
+                    f"or from+value, roles {sorted(_ROLE)})"
+                )
+        else:
+            raise DataError(f"{where}: chat turn {i} is a {type(t).__name__}, expected a dict or a string")
+        out.append({"role": role, "content": str(content)})
+    return out
+
+
+def _load_one(source: str, cfg, *, hub: bool = False):
+    from datasets import load_dataset
+
+    if hub:
+        ds = load_dataset(source, cfg.dataset_config_name, split=cfg.dataset_split)
+    else:
+        if not Path(source).exists():
+            raise DataError(f"training file {source} does not exist")
+        ds = load_dataset(builder_for(source), data_files=source, split="train")
+    cols = ds.column_names
+    if cfg.messages_column in cols:
+        col, kind = cfg.messages_column, "messages"
+    elif cfg.text_column in cols:
+        col, kind = cfg.text_column, "text"
+    else:
+        raise DataError(
+            f"{source} has neither messages_column '{cfg.messages_column}' nor text_column '{cfg.text_column}'; "
+            f"its columns are {cols}. Set --messages_column or --text_column."
+        )
+
+    def convert(row):
+        if kind == "messages":
+            return {"messages": normalize_messages(row[col], where=source), "text": ""}
+        return {"messages": [], "text": str(row[col] or "")}
+
+    ds = ds.map(convert, remove_columns=cols, desc=f"reading {Path(source).name}")
+    ds = ds.filter(lambda r: bool(r["messages"]) or bool(r["text"].strip()))
+    if cfg.max_samples_per_file and len(ds) > cfg.max_samples_per_file:
+        ds = ds.shuffle(seed=0).select(range(cfg.max_samples_per_file))
+    return ds
+
+
+def _concat(parts):
+    from datasets import concatenate_datasets
+
+    return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def load_examples(cfg, seed: int):
+    """-> (train, eval) Datasets of {messages, text}; see the module docstring."""
+    sources = [(expand_path(f), False) for f in cfg.train_file]
+    if cfg.dataset_name:
+        sources.append((cfg.dataset_name, True))
+    if not sources:
+        raise DataError("no training data: give --train_file (json/jsonl/parquet/txt) and/or --dataset_name")
+    parts = [_load_one(s, cfg, hub=h) for s, h in sources]
+    train = _concat(parts).shuffle(seed=seed)
+    if len(train) == 0:
+        raise DataError(f"the training data is empty (sources: {[s for s, _ in sources]})")
+    if cfg.eval_file:
+        ev = _concat([_load_one(expand_path(f), cfg) for f in cfg.eval_file])
+    elif cfg.eval_fraction > 0 and len(train) > 1:
+        n_eval = max(1, int(round(cfg.eval_fraction * len(train))))
+        if cfg.max_eval_samples:
+            n_eval = min(n_eval, cfg.max_eval_samples)
+        n_eval = min(n_eval, len(train) - 1)
+        ev, train = train.select(range(n_eval)), train.select(range(n_eval, len(train)))
+    else:
+        ev = None
+    if cfg.max_train_samples and len(train) > cfg.max_train_samples:
+        train = train.select(range(cfg.max_train_samples))
+    if ev is not None and cfg.max_eval_samples and len(ev) > cfg.max_eval_samples:
+        ev = ev.select(range(cfg.max_eval_samples))
+    return train, ev
+
+
+def prompt_of(row: dict) -> list[dict]:
+    """The chat the model answers in self-distillation: text -> one user turn; a final assistant turn dropped."""
+    msgs = list(row["messages"]) if row["messages"] else [{"role": "user", "content": row["text"]}]
+    while msgs and msgs[-1]["role"] == "assistant":
+        msgs = msgs[:-1]
+    return msgs
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """Stable id of a prompt (resumable generation skips prompts whose id is already written)."""
+    return hashlib.sha1(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """Messages -> text with the tokenizer's chat template, or a plain layout when it has none."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if add_generation_prompt else "")
+
+
+def tokenize(ds, tokenizer, max_seq_length: int, packing: bool = False, desc: str = "tokenizing"):
+    """{messages, text} rows -> {input_ids} rows (truncated, or packed into max_seq_length blocks)."""
+    if max_seq_length < 2:
+        raise DataError(f"max_seq_length must be >= 2, got {max_seq_length}")
+    eos = tokenizer.eos_token_id
+
+    def encode(batch):
+        ids = []
+        for msgs, text in zip(batch["messages"], batch["text"]):
+            if msgs:
+                ids.append(tokenizer(render_chat(tokenizer, msgs), add_special_tokens=False)["input_ids"])
+            else:
+                ids.append(tokenizer(text, add_special_tokens=True)["input_ids"])
+        if not packing:
+            return {"input_ids": [x[:max_seq_length] for x in ids]}
+        flat = []
+        for x in ids:
+            flat.extend(x + ([eos] if eos is not None and (not x or x[-1] != eos) else []))
+        n = len(flat) // max_seq_length * max_seq_length
+        return {"input_ids": [flat[i : i + max_seq_length] for i in range(0, n, max_seq_length)]}
+
+    out = ds.map(encode, batched=True, batch_size=1000 if packing else 256, remove_columns=ds.column_names,
+                 desc=desc)
+    return out.filter(lambda r: len(r["input_ids"]) >= 2)
+
+
+@dataclass
+class PadCollator:
+    """Right padding: list of {input_ids} -> {input_ids [B, T], attention_mask [B, T]} (long tensors)."""
+
+    pad_id: int = 0
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        T = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+            mask[i, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+class EpochSampler(Sampler[int]):
+    """Random permutation of range(n) determined by (seed, epoch) only; `set_epoch` picks the epoch."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n

@@ -1,0 +1,747 @@
+"""Train hispec exit heads by distillation from the frozen model's own final layer (design.md §4).
+
+Launch:
+
+    accelerate launch --config_file recipes/accelerate/cpu.yaml train/heads.py --config recipes/smollm2-135m.yaml
+
+Any recipe field can be overridden on the command line (`--max_steps 20`); the YAML gives defaults, the command
+line wins. `python train/heads.py --help` lists every field. The same entry point runs on one CPU, several CPU
+processes (gloo), DDP and DeepSpeed ZeRO-2/3: choose an `accelerate` config from recipes/accelerate/.
+
+What it does: loads the base model (Hub id, folder or .gguf; a LoRA adapter is merged first), freezes it and adds
+two heads (`draft_layer`, `verify_layer`). Optionally the model first answers the training prompts itself
+(`self_distill`, resumable, see train/generate_data.py). Each step runs the backbone once without grad, giving the
+hidden states at both exits and the final features; both heads learn forward KL(p_final || p_exit) in one
+pass (train/losses.py, chunked over tokens). Only the heads go through `accelerator.prepare` (the backbone is
+replicated, never sharded). Every `checkpointing_steps` the accelerate state is saved under
+`output_dir/checkpoints/step_N` (written to a temporary name, then renamed); `--resume_from_checkpoint latest`
+continues with the same data order and step and ends with the same heads as an uninterrupted run. At the end
+`output_dir` holds `hispec_heads.safetensors` (keys as `EarlyExitModel.heads_state_dict()`, fp32),
+`hispec_train.json` (hispec config, base identity, arguments, data sizes) and `metrics.json` (per exit top-1
+agreement with the final layer and expected tokens per verification round, before/during/after training).
+
+Contract: `main(argv=None) -> int`; importing this module does nothing. Bad configurations raise `ConfigError`
+(a `ValueError`) before any training; as a script they print `error: ...` and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `train` and `hispec` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+logger = logging.getLogger("hispec.train")
+
+HEADS_FILE = "hispec_heads.safetensors"
+TRAIN_INFO_FILE = "hispec_train.json"
+METRICS_FILE = "metrics.json"
+STATE_FILE = "hispec_state.json"
+CHECKPOINTS = "checkpoints"
+TRAINABLE_HEADS = ("norm", "linear", "lowrank")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """The run configuration is unusable; raised before any training, with what to change."""
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Base model: Hub id, local HF folder or .gguf file (~ and $VARS expanded)."}
+    )
+    revision: str | None = field(default=None, metadata={"help": "Hub revision of the base model."})
+    dtype: str = field(
+        default="auto", metadata={"help": "Backbone dtype: auto, fp32, bf16 or fp16 (heads train in fp32)."}
+    )
+    adapter_name_or_path: str | None = field(
+        default=None, metadata={"help": "A LoRA adapter (peft) merged into the base model before training."}
+    )
+    draft_layer: int | None = field(
+        default=None, metadata={"help": "Draft exit: hidden state after this many layers (default round(depth/8))."}
+    )
+    verify_layer: int | None = field(
+        default=None, metadata={"help": "Intermediate-verifier exit (default round(depth/4))."}
+    )
+    head_type: str = field(default="linear", metadata={"help": f"Exit head type: {', '.join(TRAINABLE_HEADS)}."})
+    head_rank: int = field(default=64, metadata={"help": "Rank of 'lowrank' heads."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
+
+
+@dataclass
+class DataArguments:
+    train_file: list[str] = field(
+        default_factory=list, metadata={"help": "Local training files (json, jsonl, parquet, txt); several allowed."}
+    )
+    dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face Hub dataset to train on."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Config name of --dataset_name."})
+    dataset_split: str = field(default="train", metadata={"help": "Split of --dataset_name."})
+    text_column: str = field(
+        default="text", metadata={"help": "Column of plain text (a user prompt when self_distill)."}
+    )
+    messages_column: str = field(
+        default="messages",
+        metadata={"help": "Column of chats ({role, content} or ShareGPT {from, value} turns), used where present."},
+    )
+    max_samples_per_file: int | None = field(
+        default=None, metadata={"help": "Keep at most this many rows of each source."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many training rows."})
+    eval_file: list[str] = field(
+        default_factory=list, metadata={"help": "Held-out files; default: an eval_fraction split."}
+    )
+    eval_fraction: float = field(default=0.05, metadata={"help": "Share of training rows held out for evaluation."})
+    max_eval_samples: int | None = field(default=64, metadata={"help": "Keep at most this many held-out rows."})
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per training sequence (truncate or pack)."})
+    packing: bool = field(
+        default=False, metadata={"help": "Pack sequences into max_seq_length blocks instead of padding."}
+    )
+    self_distill: bool = field(
+        default=False, metadata={"help": "First let the model answer the prompts itself; train on its own answers."}
+    )
+    self_distill_dir: str | None = field(
+        default=None, metadata={"help": "Where answers are written/reused (default output_dir/self_distill)."}
+    )
+
+
+def _gen_fields():
+    from train.generate_data import GenerationArguments
+
+    return GenerationArguments
+
+
+@dataclass
+class TrainArguments:
+    output_dir: str = field(default="runs/heads", metadata={"help": "Run folder: checkpoints/, heads, metrics."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh even if output_dir holds a run."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs."})
+    num_train_epochs: int = field(default=1, metadata={"help": "Passes over the training data (if max_steps <= 0)."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-batch."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Gradient clipping norm (0 = off; DeepSpeed: its JSON)."}
+    )
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"LR schedule: {', '.join(LR_SCHEDULES)}."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear LR warm-up, in optimizer steps."})
+    temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T (loss scaled by T^2)."})
+    ce_weight: float = field(
+        default=0.0, metadata={"help": "Weight of next-token cross-entropy mixed into the KL, in [0, 1]."}
+    )
+    loss_chunk_size: int = field(
+        default=0, metadata={"help": "Tokens per logits chunk in the loss (0 = auto: <= 32M logits)."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed of data order, head init and sampling."})
+    checkpointing_steps: int = field(
+        default=0, metadata={"help": "Save the training state every N optimizer steps (0 = never)."}
+    )
+    save_total_limit: int | None = field(
+        default=3, metadata={"help": "Keep only the newest N checkpoints (none = all)."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints; none: fresh start)."},
+    )
+    eval_steps: int = field(
+        default=0, metadata={"help": "Evaluate every N optimizer steps (0 = only before and after)."}
+    )
+    eval_at_start: bool = field(default=True, metadata={"help": "Evaluate the untrained heads before training."})
+    gamma: int = field(
+        default=4, metadata={"help": "Drafts per round: for expected tokens per round and the saved config."}
+    )
+    window: int = field(default=4, metadata={"help": "Decoding window N_i recorded in the saved hispec config."})
+    logging_steps: int = field(default=10, metadata={"help": "Log to the trackers every N optimizer steps."})
+    report_to: str = field(
+        default="none", metadata={"help": "accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."}
+    )
+
+
+def build_parser():
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, _gen_fields(), TrainArguments))
+    parser.add_argument("--config", default=None, help="A YAML recipe giving defaults for any field (CLI wins).")
+    return parser
+
+
+def parse_args(argv=None):
+    """argv -> (ModelArguments, DataArguments, GenerationArguments, TrainArguments); YAML defaults, CLI wins."""
+    import argparse
+
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    parser = build_parser()
+    if known.config:
+        path = Path(os.path.expanduser(known.config))
+        if not path.is_file():
+            raise ConfigError(f"recipe {known.config} does not exist")
+        recipe = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(recipe, dict):
+            raise ConfigError(f"recipe {known.config} must be a mapping of field: value")
+        names = {f.name for dc in parser.dataclass_types for f in fields(dc)}
+        unknown = sorted(set(recipe) - names)
+        if unknown:
+            raise ConfigError(f"recipe {known.config}: unknown field(s) {unknown}; see `train/heads.py --help`")
+        for key in ("train_file", "eval_file"):
+            if isinstance(recipe.get(key), str):
+                recipe[key] = [recipe[key]]
+        parser.set_defaults(**recipe)
+    try:
+        *dcs, extra = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return tuple(dcs)
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def find_checkpoint(output_dir: Path, spec: str | None) -> Path | None:
+    """`latest` -> newest complete `checkpoints/step_N` (None if there is none); a path -> that folder."""
+    if not spec:
+        return None
+    if spec != "latest":
+        path = Path(os.path.expanduser(spec))
+        if not (path / STATE_FILE).is_file():
+            raise ConfigError(f"resume_from_checkpoint {spec} is not a checkpoint folder (no {STATE_FILE})")
+        return path
+    ckpts = _complete_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def _complete_checkpoints(output_dir: Path) -> list[Path]:
+    root = output_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / STATE_FILE).is_file():
+            found.append((int(p.name[5:]), p))
+    return [p for _, p in sorted(found)]
+
+
+def lr_at(step: int, total: int, cfg: TrainArguments) -> float:
+    """Learning rate for optimizer step `step` (0-based) of `total`: warm-up, then constant / linear / cosine."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if cfg.lr_scheduler_type == "constant":
+        return cfg.learning_rate
+    span = max(1, total - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.lr_scheduler_type == "linear":
+        return cfg.learning_rate * (1.0 - frac)
+    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def _atomic_write_bytes(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # some writers create 0600 files
+    os.replace(tmp, path)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    def w(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic_write_bytes(path, w)
+
+
+def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments) -> None:
+    """Checks that need no model: raise ConfigError with what to change."""
+    from hispec.heads import HEAD_TYPES
+
+    if not m.model_name_or_path:
+        raise ConfigError("model_name_or_path is required (a Hub id, a local folder or a .gguf file)")
+    if m.head_type not in HEAD_TYPES:
+        raise ConfigError(f"unknown head type '{m.head_type}'; choose one of {', '.join(TRAINABLE_HEADS)}")
+    if m.head_type not in TRAINABLE_HEADS:
+        raise ConfigError(
+            f"head type '{m.head_type}' has no trainable weights; choose one of {', '.join(TRAINABLE_HEADS)}"
+        )
+    if not d.train_file and not d.dataset_name:
+        raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt) and/or --dataset_name")
+    from train.data import DataError, builder_for, expand_path
+
+    for f in [*d.train_file, *d.eval_file]:
+        p = expand_path(f)
+        if not Path(p).is_file():
+            raise ConfigError(f"data file {f} does not exist")
+        try:
+            builder_for(p)
+        except DataError as e:
+            raise ConfigError(str(e)) from e
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    if d.max_seq_length < 2:
+        raise ConfigError(f"max_seq_length must be >= 2, got {d.max_seq_length}")
+    if t.temperature <= 0:
+        raise ConfigError(f"temperature must be > 0, got {t.temperature}")
+    if not 0.0 <= t.ce_weight <= 1.0:
+        raise ConfigError(f"ce_weight must be in [0, 1], got {t.ce_weight}")
+    if t.lr_scheduler_type not in LR_SCHEDULES:
+        raise ConfigError(f"unknown lr_scheduler_type '{t.lr_scheduler_type}'; choose one of {', '.join(LR_SCHEDULES)}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "gamma"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(t, name)}")
+    if t.max_steps <= 0 and t.num_train_epochs < 1:
+        raise ConfigError("set max_steps > 0 or num_train_epochs >= 1")
+    out = Path(os.path.expanduser(t.output_dir))
+    has_run = (out / HEADS_FILE).exists() or (out / CHECKPOINTS).is_dir()
+    if has_run and not t.overwrite_output_dir and not t.resume_from_checkpoint:
+        raise ConfigError(
+            f"output_dir {out} already holds a run; pass --resume_from_checkpoint latest to continue it or "
+            "--overwrite_output_dir true to start afresh"
+        )
+    ckpt = find_checkpoint(out, t.resume_from_checkpoint)  # a named checkpoint must exist
+    if (out / HEADS_FILE).exists() and ckpt is None and not t.overwrite_output_dir:
+        raise ConfigError(
+            f"output_dir {out} holds a finished run and no checkpoint to resume from; pass "
+            "--overwrite_output_dir true to train again"
+        )
+
+
+def _num_layers_from_config(path: str, revision: str | None) -> int | None:
+    if path.endswith(".gguf"):
+        return None  # read from the loaded model instead
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path, **({"revision": revision} if revision else {}))
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    return int(cfg.num_hidden_layers)
+
+
+def resolve_exits(m: ModelArguments, num_layers: int) -> tuple[int, int]:
+    from hispec.model import default_exits, validate_exits
+
+    d_def, v_def = default_exits(num_layers)
+    draft = d_def if m.draft_layer is None else m.draft_layer
+    verify = v_def if m.verify_layer is None else m.verify_layer
+    try:
+        validate_exits(draft, verify, num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return draft, verify
+
+
+def load_base(m: ModelArguments):
+    """The frozen base model, with a LoRA adapter merged in first when one is given."""
+    from hispec.model import load_base_model
+    from train.data import expand_path
+
+    path = expand_path(m.model_name_or_path)
+    base = load_base_model(path, dtype=m.dtype, revision=m.revision)
+    if hasattr(base, "set_attn_implementation"):
+        base.set_attn_implementation(m.attn_implementation)
+    if m.adapter_name_or_path:
+        from peft import PeftModel
+
+        base = PeftModel.from_pretrained(base, expand_path(m.adapter_name_or_path)).merge_and_unload()
+        base.eval()
+        for p in base.parameters():
+            p.requires_grad_(False)
+    return base
+
+
+def wrap_model(base, m: ModelArguments, draft: int, verify: int, gamma: int, window: int):
+    """EarlyExitModel with fresh heads; the base identity records the name given and any merged adapter."""
+    from hispec.model import EarlyExitModel
+
+    model = EarlyExitModel.from_base(base, draft, verify, m.head_type, head_rank=m.head_rank, gamma=gamma,
+                                     window=window, revision=m.revision)
+    model.hispec_config.base["name_or_path"] = m.model_name_or_path
+    if m.adapter_name_or_path:
+        model.hispec_config.base["merged_adapter"] = m.adapter_name_or_path
+    return model
+
+
+def _heads_module():
+    import torch
+
+    class HeadsForTraining(torch.nn.Module):
+        """The only module `accelerate.prepare` sees: both heads, features for given exit hidden states."""
+
+        def __init__(self, heads):
+            super().__init__()
+            self.heads = heads
+
+        def forward(self, hidden: dict):
+            # {exit: [N, H]} -> {exit: [N, H]} features for the frozen lm_head
+            return {k: self.heads[k](h) for k, h in hidden.items()}
+
+    return HeadsForTraining
+
+
+def _step_hook(step: int) -> None:
+    """Called after every optimizer step (tests replace it to simulate a kill)."""
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+def _batch_inputs(batch, adapter, exits, param_dtype):
+    """Backbone pass -> flattened valid-token exit states, teacher features and next-token labels."""
+    from hispec.layers import positions_from_mask
+    from train.losses import exit_states, next_token_labels
+
+    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+    pos = positions_from_mask(mask)
+    states, final = exit_states(adapter, ids, pos, mask, exits)
+    flat = mask.reshape(-1)
+    hidden = {name: states[layer].reshape(-1, states[layer].shape[-1])[flat].to(param_dtype)
+              for name, layer in zip(("draft", "verify"), exits)}
+    teacher = final.reshape(-1, final.shape[-1])[flat]
+    labels = next_token_labels(ids, mask).reshape(-1)[flat]
+    row = _row_index(mask)[flat]
+    return hidden, teacher, labels, row
+
+
+def _row_index(mask):
+    import torch
+
+    return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask).reshape(-1)
+
+
+def _project_fn(adapter):
+    def project(features):
+        return adapter.project(features.to(adapter.dtype))
+
+    return project
+
+
+def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, param_dtype) -> dict:
+    """Per exit top-1 agreement with the final layer, KL, and expected tokens per round on held-out text."""
+    import torch
+
+    from train.losses import distill_loss, expected_tokens_per_round
+
+    keys = ("draft", "verify", "draft_verify")
+    totals = torch.zeros(len(keys) + 3, dtype=torch.float64)  # agree x3, kl draft, kl verify, tokens
+    heads.eval()
+    with torch.no_grad():
+        for batch in eval_dl:
+            hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype)
+            feats = heads(hidden)
+            out = distill_loss(_project_fn(adapter), teacher, feats, temperature=t.temperature,
+                               chunk_size=t.loss_chunk_size or None, vocab_size=adapter.vocab_size,
+                               pairs=(("draft", "verify"),), per_token=True)
+            B = batch["input_ids"].shape[0]
+            per_row = torch.zeros(B, totals.numel(), dtype=torch.float64, device=row.device)
+            cols = [out.agree_tokens[k] for k in keys] + [out.kl_tokens["draft"], out.kl_tokens["verify"],
+                                                          torch.ones_like(out.kl_tokens["draft"])]
+            for j, v in enumerate(cols):
+                per_row[:, j].index_add_(0, row, v.double())
+            totals += accelerator.gather_for_metrics(per_row).sum(0).cpu()
+    heads.train()
+    n = max(totals[-1].item(), 1.0)
+    result = {"eval_tokens": int(totals[-1].item()), "gamma": t.gamma}
+    for j, k in enumerate(keys):
+        alpha = totals[j].item() / n
+        result[k] = {"top1_agreement": alpha, "expected_tokens_per_round": expected_tokens_per_round(alpha, t.gamma)}
+    for j, k in enumerate(("draft", "verify")):
+        result[k]["kl"] = totals[3 + j].item() / n
+        result[k]["layer"] = exits[j]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    m, d, g, t = parse_args(argv)
+    validate_static(m, d, t)
+    output_dir = Path(os.path.expanduser(t.output_dir)).absolute()
+
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration, PartialState
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
+    from safetensors.torch import save_file
+    from torch.utils.data import DataLoader, SequentialSampler
+    from tqdm.auto import tqdm
+
+    from hispec.model import load_tokenizer
+    from train import data as tdata
+    from train.generate_data import generate_responses, prompts_from, read_responses
+    from train.losses import distill_loss
+
+    report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
+    # CPU processes talk through gloo (design.md §6: without it each rank may believe it is rank 0 of 1); a
+    # plain single process must not get a backend, or accelerate would try to start a process group.
+    launched = "WORLD_SIZE" in os.environ or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    gloo = launched and not torch.cuda.is_available()
+    # The process group comes first; the Accelerator (and with it DeepSpeed's ZeRO-3 hook into from_pretrained,
+    # which would shard the frozen backbone) only after the backbone is loaded.
+    state = PartialState(**({"backend": "gloo"} if gloo else {}))
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    if not state.is_main_process:
+        logger.setLevel(logging.WARNING)
+        import datasets
+
+        datasets.disable_progress_bars()
+    set_seed(t.seed)
+
+    # ---- everything that can fail does so here, before any training
+    model_path = tdata.expand_path(m.model_name_or_path)
+    n_layers = _num_layers_from_config(model_path, m.revision)
+    if n_layers is not None:
+        draft, verify = resolve_exits(m, n_layers)
+    tokenizer = load_tokenizer(model_path, revision=m.revision)
+    if tokenizer is None:
+        raise ConfigError(f"no tokenizer found for {m.model_name_or_path}; training needs one to read text")
+    with state.main_process_first():
+        try:
+            train_rows, eval_rows = tdata.load_examples(d, t.seed)
+        except tdata.DataError as e:
+            raise ConfigError(str(e)) from e
+    resume_dir = find_checkpoint(output_dir, t.resume_from_checkpoint)
+    if state.is_main_process and t.overwrite_output_dir and not resume_dir:
+        for p in (output_dir / CHECKPOINTS, output_dir / HEADS_FILE, output_dir / METRICS_FILE):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    state.wait_for_everyone()
+
+    t0 = time.time()
+    base = load_base(m)
+    if n_layers is None:  # GGUF: the depth is known once loaded
+        from hispec.layers import DecoderAdapter
+
+        n_layers = DecoderAdapter(base).num_layers
+        draft, verify = resolve_exits(m, n_layers)
+    set_seed(t.seed)
+    model = wrap_model(base, m, draft, verify, t.gamma, t.window)
+    model.base.to(state.device)
+    adapter = model.adapter
+    exits = (draft, verify)
+    logger.info("loaded %s (%d layers) in %.1fs; exits draft=%d verify=%d, head=%s", m.model_name_or_path,
+                n_layers, time.time() - t0, draft, verify, m.head_type)
+
+    # ---- self-distillation: the model answers the prompts itself (resumable, sharded over processes)
+    if d.self_distill:
+        sd_dir = Path(tdata.expand_path(d.self_distill_dir)) if d.self_distill_dir else output_dir / "self_distill"
+        prompts = prompts_from(train_rows) + (prompts_from(eval_rows) if eval_rows is not None else [])
+        t0 = time.time()
+        n_new = generate_responses(model.base, tokenizer, prompts, sd_dir, g, rank=state.process_index,
+                                   world_size=state.num_processes, seed=t.seed,
+                                   show_progress=state.is_local_main_process)
+        state.wait_for_everyone()
+        answers = read_responses(sd_dir)
+        logger.info("self-distillation: %d new answers in %.1fs, %d total", n_new, time.time() - t0, len(answers))
+
+        def with_answers(ds):
+            from datasets import Dataset
+
+            rows = []
+            for p in prompts_from(ds):
+                if p["id"] in answers:
+                    rows.append({"messages": answers[p["id"]]["messages"], "text": ""})
+            return Dataset.from_list(rows) if rows else None
+
+        train_rows = with_answers(train_rows)
+        eval_rows = with_answers(eval_rows) if eval_rows is not None else None
+        if train_rows is None:
+            raise ConfigError("self-distillation produced no answers for the training prompts")
+
+    with state.main_process_first():
+        train_ds = tdata.tokenize(train_rows, tokenizer, d.max_seq_length, d.packing, desc="tokenizing train")
+        eval_ds = (tdata.tokenize(eval_rows, tokenizer, d.max_seq_length, False, desc="tokenizing eval")
+                   if eval_rows is not None else None)
+    if len(train_ds) == 0:
+        raise ConfigError(
+            "the training data is empty after tokenization (every row shorter than 2 tokens"
+            + (f", or no full {d.max_seq_length}-token block to pack" if d.packing else "") + ")"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    collate = tdata.PadCollator(pad_id)
+    sampler = tdata.EpochSampler(len(train_ds), t.seed)
+    train_dl = DataLoader(train_ds, batch_size=t.per_device_train_batch_size, sampler=sampler, collate_fn=collate)
+    eval_dl = (DataLoader(eval_ds, batch_size=t.per_device_eval_batch_size, sampler=SequentialSampler(eval_ds),
+                          collate_fn=collate) if eval_ds is not None and len(eval_ds) else None)
+
+    # ---- heads, optimizer, accelerate
+    accelerator = Accelerator(
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        log_with=report_to or None,
+        project_dir=str(output_dir),
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if gloo else [],
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
+    )
+    heads = _heads_module()(model.heads.float())
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    if eval_dl is not None:
+        heads, optimizer, train_dl, eval_dl = accelerator.prepare(heads, optimizer, train_dl, eval_dl)
+    else:
+        heads, optimizer, train_dl = accelerator.prepare(heads, optimizer, train_dl)
+    param_dtype = next(accelerator.unwrap_model(heads).parameters()).dtype
+
+    steps_per_epoch = max(1, math.ceil(len(train_dl) / t.gradient_accumulation_steps))
+    total_steps = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.num_train_epochs
+    num_epochs = math.ceil(total_steps / steps_per_epoch)
+
+    completed, history, prior_seconds = 0, [], 0.0
+    if resume_dir is not None:
+        state = json.loads((resume_dir / STATE_FILE).read_text())
+        for key in ("draft_layer", "verify_layer", "head_type"):
+            if state["run"].get(key) != {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type}[key]:
+                raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={state['run'].get(key)!r}; "
+                                  "resume with the same configuration")
+        accelerator.load_state(str(resume_dir))
+        completed, history = int(state["step"]), list(state.get("history", []))
+        prior_seconds = float(state.get("train_seconds", 0.0))
+        logger.info("resumed from %s at step %d", resume_dir, completed)
+
+    run_info = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type,
+                "train_examples": len(train_ds), "eval_examples": len(eval_ds) if eval_ds is not None else 0,
+                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+                "world_size": accelerator.num_processes}
+    config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
+    if report_to:
+        accelerator.init_trackers("hispec-heads", config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                                          for k, v in config_dump.items()})
+    logger.info("training: %d sequences, %d steps/epoch, %d steps, %d process(es)", len(train_ds), steps_per_epoch,
+                total_steps, accelerator.num_processes)
+
+    def run_eval(step):
+        if eval_dl is None:
+            return None
+        res = evaluate(accelerator, heads, adapter, eval_dl, exits, t, param_dtype)
+        res["step"] = step
+        history.append(res)
+        accelerator.log({f"eval/{k}_agreement": res[k]["top1_agreement"] for k in ("draft", "verify", "draft_verify")},
+                        step=step)
+        logger.info("eval @%d: agreement draft %.3f verify %.3f draft-verify %.3f", step,
+                    res["draft"]["top1_agreement"], res["verify"]["top1_agreement"],
+                    res["draft_verify"]["top1_agreement"])
+        return res
+
+    def save_checkpoint(step):
+        final = output_dir / CHECKPOINTS / f"step_{step}"
+        tmp = output_dir / CHECKPOINTS / f".tmp_step_{step}"
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _write_json_atomic(tmp / STATE_FILE, {"step": step, "history": history, "run": run_info,
+                                                  "train_seconds": prior_seconds + time.time() - t_train})
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            if t.save_total_limit:
+                for old in _complete_checkpoints(output_dir)[: -t.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+
+    if completed == 0 and t.eval_at_start:
+        run_eval(0)
+
+    # ---- the loop
+    project = _project_fn(adapter)
+    bar = tqdm(total=total_steps, initial=completed, desc="training heads",
+               disable=not accelerator.is_local_main_process)
+    heads.train()
+    window_stats: dict[str, float] = {}
+    window_n = 0
+    t_train = time.time()
+    start_epoch = completed // steps_per_epoch
+    for epoch in range(start_epoch, num_epochs):
+        if completed >= total_steps:
+            break
+        train_dl.set_epoch(epoch)
+        skip = (completed - epoch * steps_per_epoch) * t.gradient_accumulation_steps
+        loader = accelerator.skip_first_batches(train_dl, skip) if skip > 0 else train_dl
+        if skip > 0:
+            loader.set_epoch(epoch)
+        for batch in loader:
+            with accelerator.accumulate(heads):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(completed, total_steps, t)
+                hidden, teacher, labels, _ = _batch_inputs(batch, adapter, exits, param_dtype)
+                out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature,
+                                   ce_weight=t.ce_weight, chunk_size=t.loss_chunk_size or None,
+                                   vocab_size=adapter.vocab_size)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients and t.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, t.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            stats = {"loss": out.loss.item(), **{f"kl/{k}": v.item() for k, v in out.kl.items()},
+                     **{f"agreement/{k}": v.item() for k, v in out.agree.items()}}
+            for k, v in stats.items():
+                window_stats[k] = window_stats.get(k, 0.0) + v
+            window_n += 1
+            if not accelerator.sync_gradients:
+                continue
+            completed += 1
+            bar.update(1)
+            if completed % t.logging_steps == 0 or completed == total_steps:
+                logs = {k: v / window_n for k, v in window_stats.items()}
+                logs["lr"] = lr_at(completed - 1, total_steps, t)
+                accelerator.log(logs, step=completed)
+                bar.set_postfix(loss=f"{logs['loss']:.3f}", d=f"{logs['agreement/draft']:.2f}",
+                                v=f"{logs['agreement/verify']:.2f}")
+                window_stats, window_n = {}, 0
+            if t.eval_steps and completed % t.eval_steps == 0 and completed < total_steps:
+                run_eval(completed)
+            if t.checkpointing_steps and completed % t.checkpointing_steps == 0 and completed < total_steps:
+                save_checkpoint(completed)
+            _step_hook(completed)
+            if completed >= total_steps:
+                break
+    bar.close()
+    train_seconds = prior_seconds + time.time() - t_train  # across resumes
+
+    # ---- final evaluation and outputs (each file written to a temporary name, then renamed)
+    final = run_eval(completed)
+    state = accelerator.get_state_dict(heads)
+    if accelerator.is_main_process:
+        prefix = "heads."
+        heads_state = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().float().cpu().contiguous()
+                       for k, v in state.items()}
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(output_dir / HEADS_FILE,
+                            lambda p: save_file(heads_state, str(p), metadata={"format": "pt", "hispec": "1"}))
+        info = {
+            "hispec": model.hispec_config.to_dict(),
+            "base": model.hispec_config.base,
+            "heads_file": HEADS_FILE,
+            "heads_dtype": "float32",
+            "steps": completed,
+            "train_seconds": round(train_seconds, 1),
+            "data": run_info,
+            "args": config_dump,
+        }
+        _write_json_atomic(output_dir / TRAIN_INFO_FILE, info)
+        _write_json_atomic(output_dir / METRICS_FILE, {"final": final, "history": history,
+                                                       "steps": completed, "train_seconds": round(train_seconds, 1)})
+        if final is not None:
+            print(json.dumps({"steps": completed, "draft_agreement": final["draft"]["top1_agreement"],
+                              "verify_agreement": final["verify"]["top1_agreement"],
+                              "train_seconds": round(train_seconds, 1)}))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
