@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -20,22 +21,41 @@ for _path in (str(TESTS_DIR), str(REPO_ROOT)):
         sys.path.insert(0, _path)
 
 
-def _load_get_demo_model():
-    """tools/ is not a package: load tools/get_demo_model.py by path (once; shared through sys.modules)."""
-    name = "hispec_tools_get_demo_model"
+def load_tool(script: str):
+    """tools/ is not a package: load tools/<script>.py by path (once; shared through sys.modules)."""
+    name = f"hispec_tools_{script}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "get_demo_model.py")
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{script}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
 
 
+def load_demo_tool():
+    return load_tool("get_demo_model")
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir() -> pathlib.Path:
     """Folder of the converted SmolLM2-135M-Instruct demo model (stock HF layout, fp32 safetensors)."""
-    tool = _load_get_demo_model()
+    tool = load_demo_tool()
     try:
         return tool.ensure_demo_model()
     except tool.DemoModelFetchError as exc:
         pytest.skip(f"demo model unavailable (download failed): {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny models are all overhead: one intra-op thread is as fast on an idle machine and several times faster
+    on a busy one (threads spin-waiting for a core). The real model keeps the default."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

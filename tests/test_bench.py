@@ -264,16 +264,9 @@ def test_short_bench_on_the_demo_model_is_lossless(demo_model_dir, capsys):
 
 # ---------------------------------------------------------------------------------------------- make demo
 def _demo_tool():
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from conftest import load_tool
 
-    name = "hispec_tools_demo"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / "demo.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+    return load_tool("demo")
 
 
 def test_demo_refuses_a_missing_prompt_file_before_any_work(tmp_path, capsys):

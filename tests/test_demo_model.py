@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from conftest import load_demo_tool
 import torch
 
 from tiny import tiny_config, tiny_model
@@ -21,13 +22,7 @@ CHAT_PROMPT = "What is the capital of France?"
 
 
 def _tool():
-    name = "hispec_tools_get_demo_model"  # same name as conftest.py uses: one module object
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / "get_demo_model.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_demo_tool()
 
 
 # ---------------------------------------------------------------- real model

@@ -19,21 +19,6 @@ from tiny import FAMILIES, tiny_config, tiny_model
 ATOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_for_tiny_models(request):
-    """Tiny models are all overhead: one intra-op thread is as fast on an idle machine and several times faster
-    on a busy one (threads spin-waiting for a core). The real model keeps the default."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_model(request):
     """(family, tiny fp32 model, adapter); one model per family, shared by the tests of this module."""

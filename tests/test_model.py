@@ -27,21 +27,6 @@ from tiny import FAMILIES, tiny_config, tiny_model
 RANK = 8  # lowrank heads: the tiny models have hidden size 32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_for_tiny_models(request):
-    """Tiny models are all overhead: one intra-op thread is as fast on an idle machine and several times faster
-    on a busy one (threads spin-waiting for a core). The real model keeps the default."""
-    if request.node.get_closest_marker("real_model"):
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _wrap(family="llama", head_type="linear", draft=2, verify=4, **kwargs) -> EarlyExitModel:
     rank = RANK if head_type == "lowrank" else None
     return EarlyExitModel.from_base(tiny_model(family), draft, verify, head_type=head_type, head_rank=rank, **kwargs)
