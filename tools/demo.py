@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Spec-Bench question.jsonl (default: $HISPEC_DATA_DIR, data/ or ../shared/data/, eval/)")
     p.add_argument("--num-prompts", type=int, default=10, help="Spec-Bench prompts, spread over categories (10)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    p.add_argument("--dtype", default="bf16", help="benchmark dtype (default bf16)")
+    p.add_argument("--dtype", default="fp32",
+                   help="benchmark dtype (default fp32, where greedy identity with hf is exact; bf16 is faster on CPU "
+                        "but speculative outputs may part from hf at rounding-level near-ties)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--strategies", default=STRATEGIES, help=f"strategies to compare (default {STRATEGIES})")
     return p
