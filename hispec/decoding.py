@@ -318,11 +318,11 @@ class _Run:
         stop = self._stop_pos()
         finished = committed >= torch.minimum(stop, self.limit)
         keep = []
+        eos_ids = set(self.eos.tolist())
         for b in range(len(committed)):
             rid = int(self.orig[b])
             toks = self.tok[b, int(self.prompt_len[b]) : int(committed[b])].tolist()
-            if self.eos.numel():
-                eos_ids = set(self.eos.tolist())
+            if eos_ids:
                 cut = next((i for i, t in enumerate(toks) if t in eos_ids), None)
                 if cut is not None:
                     toks, finished[b] = toks[: cut + 1], True

@@ -405,12 +405,6 @@ def list_files(folder: Path) -> list[tuple[str, int]]:
     return sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
 
 
-def write_checkpoint_files(model: EarlyExitModel, folder: Path, *, heads_only: bool = False,
-                           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> None:
-    """What `EarlyExitModel.save` writes, into an existing (temporary) folder, with a shard size limit."""
-    model.write_into(folder, heads_only=heads_only, max_shard_size=max_shard_size)
-
-
 def _card_base_model(run: TrainRun, model: EarlyExitModel, override: str | None) -> str | None:
     if override:
         return override
@@ -451,7 +445,7 @@ def export(
     )
     _log(f"writing {'heads-only ' if heads_only else ''}checkpoint to {out}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        write_checkpoint_files(model, tmp, heads_only=heads_only, max_shard_size=max_shard_size)
+        model.write_into(tmp, heads_only=heads_only, max_shard_size=max_shard_size)
         write_model_card(tmp, card)
     return ExportResult(output_dir=out, files=list_files(out), heads_only=heads_only)
 
@@ -511,7 +505,6 @@ __all__ = [
     "merge_lora_heads",
     "render_model_card",
     "write_model_card",
-    "write_checkpoint_files",
     "base_license",
     "export",
     "push_to_hub",

@@ -351,15 +351,3 @@ def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: s
     model = EarlyExitModel(base, hconf, tokenizer=tokenizer)
     model.load_heads(heads_file)
     return model
-
-
-__all__ = [
-    "EarlyExitModel",
-    "HispecConfig",
-    "CheckpointError",
-    "load",
-    "load_base_model",
-    "load_tokenizer",
-    "default_exits",
-    "validate_exits",
-]
