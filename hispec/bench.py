@@ -425,6 +425,7 @@ def model_info(model) -> dict:
     return {"name_or_path": h.base.get("name_or_path") or getattr(model.base.config, "_name_or_path", ""),
             "num_layers": model.num_layers, "draft_layer": h.draft_layer, "verify_layer": h.verify_layer,
             "head_type": h.head_type, "gamma": h.gamma, "window": h.window,
+            "draft_vocab_size": h.draft_vocab_size, "verify_vocab_size": h.verify_vocab_size,
             "dtype": str(model.dtype).replace("torch.", "")}
 
 
@@ -729,7 +730,10 @@ def model_for_exits(model, draft_layer: int, verify_layer: int, layers_free: boo
     h = model.hispec_config
     cfg = HispecConfig(draft_layer=draft_layer, verify_layer=verify_layer, head_type=h.head_type,
                        head_rank=h.head_rank, gamma=h.gamma, window=h.window, base=dict(h.base))
-    return EarlyExitModel(model.base, cfg, tokenizer=model.tokenizer)
+    sibling = EarlyExitModel(model.base, cfg, tokenizer=model.tokenizer)
+    for name in ("draft", "verify"):  # the same output vocabularies as the model's heads
+        sibling.set_exit_vocab(name, model.heads[name].vocab)
+    return sibling
 
 
 @dataclass

@@ -335,11 +335,11 @@ model's, only faster.
 
 In this checkpoint {contents}
 
-| exit | after layer | head |
-|---|---|---|
-| draft | {cfg.draft_layer} | {head_desc} |
-| verify | {cfg.verify_layer} | {head_desc} |
-| target | {base.get('num_hidden_layers', '?')} (all) | the model's own final norm + lm_head |
+| exit | after layer | head | output vocabulary |
+|---|---|---|---|
+| draft | {cfg.draft_layer} | {head_desc} | {cfg.draft_vocab_size or 'full'} |
+| verify | {cfg.verify_layer} | {head_desc} | {cfg.verify_vocab_size or 'full'} |
+| target | {base.get('num_hidden_layers', '?')} (all) | the model's own final norm + lm_head | full |
 
 Decoding defaults: gamma = {cfg.gamma} drafts per intermediate round, window = {cfg.window} tokens per full
 verification.
@@ -427,8 +427,16 @@ def export(
     base_model_id: str | None = None,
     license: str | None = None,
     name: str | None = None,
+    draft_vocab_size: int | None = None,
+    verify_vocab_size: int | None = None,
+    vocab_data: list[str] | tuple = (),
 ) -> ExportResult:
-    """Training output -> checkpoint folder (atomic). `name` is what the model card tells users to load."""
+    """Training output -> checkpoint folder (atomic). `name` is what the model card tells users to load.
+
+    `draft_vocab_size` / `verify_vocab_size` (0 = full) restrict a head's output vocabulary (hispec.vocab): the
+    most frequent tokens of `vocab_data` files, by default of the run's self-distilled answers when it kept them,
+    else by token id order.
+    """
     out = Path(output_dir).absolute()
     train_dir = Path(train_dir).absolute()
     if out.exists() and not overwrite:
@@ -438,6 +446,8 @@ def export(
         if protected and Path(protected).exists() and Path(protected).absolute().resolve() == out.resolve():
             raise ExportError(f"--output-dir {out} is an input of this export; choose another folder")
     model = build_model(run, base, base_revision=base_revision, dtype=dtype)
+    if draft_vocab_size is not None or verify_vocab_size is not None:
+        restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, vocab_data)
     source = model.hispec_config.base["name_or_path"]
     card = render_model_card(
         run, model, name=name or out.name, base_model=_card_base_model(run, model, base_model_id),
@@ -448,6 +458,39 @@ def export(
         model.write_into(tmp, heads_only=heads_only, max_shard_size=max_shard_size)
         write_model_card(tmp, card)
     return ExportResult(output_dir=out, files=list_files(out), heads_only=heads_only)
+
+
+def default_vocab_data(run: TrainRun) -> list[Path]:
+    """The run's self-distilled answers (the model's own outputs), when the run folder kept them."""
+    folders = [run.folder / "self_distill"]
+    if run.args.get("self_distill_dir"):
+        folders.insert(0, Path(os.path.expandvars(str(run.args["self_distill_dir"]))).expanduser())
+    for folder in folders:
+        files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+        if files:
+            return files
+    return []
+
+
+def restrict_vocab(model: EarlyExitModel, run: TrainRun, draft_size: int | None, verify_size: int | None,
+                   files=()) -> None:
+    from .vocab import vocab_for_model
+
+    files = [Path(f) for f in files] or default_vocab_data(run)
+    for f in files:
+        if not Path(os.path.expandvars(str(f))).expanduser().is_file():
+            raise ExportError(f"--vocab-data file not found: {f}")
+    for exit_name, size in (("draft", draft_size), ("verify", verify_size)):
+        if size is None:
+            continue
+        if size == 0:
+            model.set_exit_vocab(exit_name, None)
+            continue
+        if not 1 <= size <= model.adapter.vocab_size:
+            raise ExportError(f"--{exit_name}-vocab-size {size} must be within 1..{model.adapter.vocab_size} (0: full)")
+        model.set_exit_vocab(exit_name, vocab_for_model(model, size, files))
+        _log(f"{exit_name} head: {size} tokens, counted on " + (", ".join(str(f) for f in files) if files
+                                                                else "nothing (token id order)"))
 
 
 # ---------------------------------------------------------------------------------------------- hub

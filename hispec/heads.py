@@ -10,6 +10,12 @@ Contract: a head takes hidden states `[B, T, H]` at its exit and returns normed 
 
 `ExitHead.stateful` is False for all of these; a head with its own attention and KV cache sets it True and
 receives the decoder's per-head cache (reserved for richer heads).
+
+Any head may carry a reduced output vocabulary (`set_vocab(ids)`, a persistent `vocab` buffer of sorted token ids,
+saved with the head): `EarlyExitModel.exit_logits` then projects onto those rows of the lm_head only (8k of 49k rows
+costs ~1/6 of the full projection) and returns full-vocabulary logits with -inf outside the set, so every decoding
+rule downstream is unchanged and stays lossless (a proposal with smaller support is still exact under speculative
+sampling; greedy drafts outside the set are simply never proposed).
 """
 
 from __future__ import annotations
@@ -50,6 +56,25 @@ class ExitHead(nn.Module):
             nn.init.normal_(down.weight, std=hidden_size**-0.5)
             nn.init.zeros_(up.weight)
             self.adapter = nn.Sequential(down, up)
+        self.register_buffer("vocab", None)
+
+    def set_vocab(self, ids: torch.Tensor | None) -> None:
+        """Restrict this head's output to the token ids `ids` (1-D, unique; stored sorted), or lift it (None)."""
+        if ids is None:
+            self.vocab = None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("a head vocabulary needs at least one token id")
+        ids = torch.unique(ids)  # sorted
+        if int(ids[0]) < 0:
+            raise ValueError("head vocabulary ids must be >= 0")
+        dev = next((t.device for t in self.parameters()), ids.device)
+        self.vocab = ids.to(dev)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return None if self.vocab is None else int(self.vocab.numel())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, T, H] residual stream at the exit -> [B, T, H] features for the lm_head
@@ -60,7 +85,8 @@ class ExitHead(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"head_type={self.head_type}" + (f", rank={self.rank}" if self.rank else "")
+        return (f"head_type={self.head_type}" + (f", rank={self.rank}" if self.rank else "")
+                + (f", vocab={self.vocab_size}" if self.vocab is not None else ""))
 
     def shape_info(self) -> dict:
-        return {"head_type": self.head_type, "rank": self.rank}
+        return {"head_type": self.head_type, "rank": self.rank, "vocab_size": self.vocab_size}

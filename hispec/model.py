@@ -64,7 +64,8 @@ class HispecConfig:
     verify_layer: int
     head_type: str = "linear"
     head_rank: int | None = None
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | None = None  # reduced output vocabulary of the draft head (None: full)
+    verify_vocab_size: int | None = None  # ... of the verifier head
     gamma: int = DEFAULT_GAMMA
     window: int = DEFAULT_WINDOW
     base: dict = field(default_factory=dict)
@@ -76,6 +77,7 @@ class HispecConfig:
             "exits": {"draft": self.draft_layer, "verify": self.verify_layer},
             "head": {"type": self.head_type, "rank": self.head_rank, "shape": "residual-to-hidden"},
             "draft_vocab_size": self.draft_vocab_size,
+            "verify_vocab_size": self.verify_vocab_size,
             "decoding": {"gamma": self.gamma, "window": self.window},
             "base": dict(self.base),
         }
@@ -94,6 +96,7 @@ class HispecConfig:
                 head_type=d["head"]["type"],
                 head_rank=d["head"].get("rank"),
                 draft_vocab_size=d.get("draft_vocab_size"),
+                verify_vocab_size=d.get("verify_vocab_size"),
                 gamma=int(d.get("decoding", {}).get("gamma", DEFAULT_GAMMA)),
                 window=int(d.get("decoding", {}).get("window", DEFAULT_WINDOW)),
                 base=dict(d.get("base", {})),
@@ -195,6 +198,14 @@ class EarlyExitModel(nn.Module):
                 for name in EXITS
             }
         )
+        for name in EXITS:
+            size = self.vocab_size_of(name)
+            if size is not None:
+                if not 1 <= size <= self.adapter.vocab_size:
+                    raise CheckpointError(
+                        f"{name} head vocabulary of {size} tokens does not fit the model's {self.adapter.vocab_size}"
+                    )
+                self.heads[name].set_vocab(torch.arange(size))  # placeholder until the heads file is loaded
         self.heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
         for p in self.base.parameters():
             p.requires_grad_(False)
@@ -220,9 +231,33 @@ class EarlyExitModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.adapter.dtype
 
+    def vocab_size_of(self, exit_name: str) -> int | None:
+        return getattr(self.hispec_config, f"{exit_name}_vocab_size")
+
+    def set_exit_vocab(self, exit_name: str, ids) -> None:
+        """Restrict exit `exit_name`'s head to the token ids `ids` (None: the full vocabulary); see hispec.vocab."""
+        if exit_name not in EXITS:
+            raise ValueError(f"unknown exit '{exit_name}'; choose one of {', '.join(EXITS)}")
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+            if ids.numel() and int(ids.max()) >= self.adapter.vocab_size:
+                raise ValueError(f"vocabulary ids must be < {self.adapter.vocab_size}, got {int(ids.max())}")
+        self.heads[exit_name].set_vocab(ids)
+        setattr(self.hispec_config, f"{exit_name}_vocab_size", self.heads[exit_name].vocab_size)
+
     def exit_logits(self, exit_name: str, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden `[.., H]` at exit `exit_name` ('draft' / 'verify') -> logits `[.., V]`."""
-        return self.adapter.project(self.heads[exit_name](hidden), vocab)
+        """Hidden `[.., H]` at exit `exit_name` ('draft' / 'verify') -> logits `[.., V]`.
+
+        With `vocab` given: logits over those ids only, `[.., len(vocab)]`. Otherwise a head with a reduced
+        vocabulary projects onto its ids only and returns full-size logits with -inf elsewhere.
+        """
+        head = self.heads[exit_name]
+        feats = head(hidden)
+        if vocab is not None or head.vocab is None:
+            return self.adapter.project(feats, vocab)
+        sub = self.adapter.project(feats, head.vocab)
+        out = sub.new_full((*sub.shape[:-1], self.adapter.vocab_size), float("-inf"))
+        return out.index_copy_(-1, head.vocab, sub)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -240,8 +275,14 @@ class EarlyExitModel(nn.Module):
         device=None,
         revision: str | None = None,
         tokenizer=None,
+        draft_vocab_size: int | None = None,
+        verify_vocab_size: int | None = None,
     ) -> EarlyExitModel:
-        """Wrap a loaded model (or anything `load_base_model` accepts) with untrained heads."""
+        """Wrap a loaded model (or anything `load_base_model` accepts) with untrained heads.
+
+        `draft_vocab_size` / `verify_vocab_size` restrict a head to that many tokens chosen by token id order
+        (hispec.vocab; use `set_exit_vocab` with `hispec.vocab.vocab_for_model(..., files)` to count on data).
+        """
         if isinstance(model_or_path, nn.Module):
             base = model_or_path
             dt = parse_dtype(dtype)
@@ -266,7 +307,14 @@ class EarlyExitModel(nn.Module):
         if not isinstance(model_or_path, nn.Module):
             local = Path(str(model_or_path)).expanduser()
             config.base["name_or_path"] = str(local.absolute()) if local.exists() else str(model_or_path)
-        return cls(base, config, tokenizer=tokenizer)
+        model = cls(base, config, tokenizer=tokenizer)
+        if draft_vocab_size or verify_vocab_size:
+            from .vocab import vocab_for_model
+
+            for name, size in (("draft", draft_vocab_size), ("verify", verify_vocab_size)):
+                if size:
+                    model.set_exit_vocab(name, vocab_for_model(model, size))
+        return model
 
     def heads_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.heads.state_dict().items()}
@@ -278,9 +326,16 @@ class EarlyExitModel(nn.Module):
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"could not read heads file {path}: {e} (truncated or corrupt?)") from e
         try:
-            self.heads.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, strict=True)
+            self.heads.load_state_dict(
+                {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True
+            )
         except RuntimeError as e:
             raise CheckpointError(f"heads file {path} does not fit these heads: {e}") from e
+        for name in EXITS:
+            v = self.heads[name].vocab
+            if v is not None and (int(v.max()) >= self.adapter.vocab_size or bool((v[1:] <= v[:-1]).any())):
+                raise CheckpointError(f"heads file {path}: the {name} head's vocabulary ids are not sorted, unique "
+                                      f"ids below {self.adapter.vocab_size}")
 
     def write_into(self, folder: str | os.PathLike, *, heads_only: bool = False,
                    max_shard_size: str | int = "5GB") -> None:

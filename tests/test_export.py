@@ -462,3 +462,23 @@ def test_push_without_a_token_fails_before_exporting(train_dir, tmp_path, monkey
     out = tmp_path / "out"
     assert main([str(train_dir), "--output-dir", str(out), "--push-to-hub", "me/tiny"]) == 1
     assert "HF_TOKEN" in capsys.readouterr().err and not out.exists()
+
+
+def test_reduced_head_vocabularies_are_counted_on_data_and_kept_by_the_checkpoint(train_dir, trained, tmp_path):
+    data = tmp_path / "text.jsonl"
+    data.write_text("\n".join(json.dumps({"text": "t50 t50 t50 t61 t61 t70"}) for _ in range(3)) + "\n")
+    out = tmp_path / "vocab"
+    assert main([str(train_dir), "--output-dir", str(out), "--draft-vocab-size", "6", "--verify-vocab-size", "10",
+                 "--vocab-data", str(data)]) == 0
+    model = hispec.load(out)
+    draft = model.heads["draft"].vocab.tolist()
+    assert len(draft) == 6 and {1, 50, 61, 70} <= set(draft)  # EOS (t1) always, then by count, then by id
+    assert model.hispec_config.verify_vocab_size == 10 and len(model.heads["verify"].vocab) == 10
+    assert "| draft | 2 | linear | 6 |" in (out / "README.md").read_text()
+    ref = model.base.generate(IDS, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for strategy in ("self-spec", "hispec"):
+        got = model.generate(IDS, max_new_tokens=8, strategy=strategy, eos_token_id=[])
+        assert torch.equal(got.sequences, ref), strategy
+    bad = tmp_path / "bad"
+    assert main([str(train_dir), "--output-dir", str(bad), "--draft-vocab-size", "100000"]) == 1
+    assert not bad.exists()

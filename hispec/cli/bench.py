@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--draft-layer", type=int, help="treat --model as a base model; draft exit (default depth/8)")
     m.add_argument("--verify-layer", type=int, help="treat --model as a base model; verifier exit (default depth/4)")
     m.add_argument("--head-type", help="treat --model as a base model with heads of this type (default shared)")
+    m.add_argument("--draft-vocab-size", type=int, metavar="K",
+                   help="draft head proposes only the K lowest-id (most frequent BPE) tokens, e.g. 8192; 0 = full "
+                        "(default: the checkpoint's)")
+    m.add_argument("--verify-vocab-size", type=int, metavar="K", help="the same for the verifier head")
     m.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     m.add_argument("--device", default=None, help="torch device (default cpu)")
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -99,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_model(args):
+    from hispec.vocab import apply_vocab_sizes
+
+    model, from_base = _load_model(args)
+    apply_vocab_sizes(model, args.draft_vocab_size, args.verify_vocab_size)
+    return model, from_base
+
+
+def _load_model(args):
     import hispec
 
     if args.draft_layer is not None or args.verify_layer is not None or args.head_type is not None:

@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model-id", default=None,
                    help="Hub id for the card's base_model (default: the recorded base name when it is a Hub id)")
     p.add_argument("--license", default=None, help="licence for the model card (default: the base model's, if known)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, metavar="K",
+                   help="restrict the draft head to the K most frequent tokens (e.g. 8192; 0 = full vocabulary): "
+                        "a much cheaper projection, output unchanged")
+    p.add_argument("--verify-vocab-size", type=int, default=None, metavar="K",
+                   help="the same for the intermediate verifier's head")
+    p.add_argument("--vocab-data", nargs="+", default=[], metavar="FILE",
+                   help="text/json/jsonl files to count token frequencies on (default: the run's self-distilled "
+                        "answers if it kept them, else token id order)")
     hub = p.add_argument_group("Hugging Face Hub (token from $HF_TOKEN or `hf auth login`)")
     hub.add_argument("--push-to-hub", metavar="REPO_ID", default=None,
                      help="after the local export, upload the folder to this model repo (created if missing)")
@@ -76,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             args.train_output_dir, args.output_dir, base=args.base, base_revision=args.base_revision,
             dtype=None if args.dtype == "auto" else args.dtype, heads_only=args.heads_only,
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, base_model_id=args.base_model_id,
-            license=args.license, name=args.push_to_hub,
+            license=args.license, name=args.push_to_hub, draft_vocab_size=args.draft_vocab_size,
+            verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data,
         )
     except (CheckpointError, ex.ExportError, FileExistsError, ValueError, OSError) as e:
         return fail(str(e))

@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layer", type=int, help="treat --model as a base model and put the draft exit here")
     p.add_argument("--verify-layer", type=int, help="intermediate-verifier exit for a base model (default depth/4)")
     p.add_argument("--head-type", default="shared", help="head type for a base model (default: shared)")
+    p.add_argument("--draft-vocab-size", type=int, metavar="K",
+                   help="draft head proposes only the K lowest-id (most frequent BPE) tokens, e.g. 8192; 0 = full "
+                        "(default: the checkpoint's)")
+    p.add_argument("--verify-vocab-size", type=int, metavar="K", help="the same for the verifier head")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
     src.add_argument("--prompts-file", help="jsonl/json/txt prompts (Spec-Bench, MT-Bench, ShareGPT, {'prompt': ..})")
@@ -50,11 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(args):
     import hispec
 
+    from hispec.vocab import apply_vocab_sizes
+
     if args.draft_layer is not None:
-        return hispec.EarlyExitModel.from_base(args.model, draft_layer=args.draft_layer,
-                                               verify_layer=args.verify_layer, head_type=args.head_type,
-                                               dtype=args.dtype, device=args.device)
-    return hispec.load(args.model, dtype=args.dtype, device=args.device)
+        model = hispec.EarlyExitModel.from_base(args.model, draft_layer=args.draft_layer,
+                                                verify_layer=args.verify_layer, head_type=args.head_type,
+                                                dtype=args.dtype, device=args.device)
+    else:
+        model = hispec.load(args.model, dtype=args.dtype, device=args.device)
+    apply_vocab_sizes(model, args.draft_vocab_size, args.verify_vocab_size)
+    return model
 
 
 def main(argv=None) -> int:
