@@ -430,13 +430,18 @@ def export(
     draft_vocab_size: int | None = None,
     verify_vocab_size: int | None = None,
     vocab_data: list[str] | tuple = (),
+    gamma: int | None = None,
+    window: int | None = None,
 ) -> ExportResult:
     """Training output -> checkpoint folder (atomic). `name` is what the model card tells users to load.
 
     `draft_vocab_size` / `verify_vocab_size` (0 = full) restrict a head's output vocabulary (hispec.vocab): the
     most frequent tokens of `vocab_data` files, by default of the run's self-distilled answers when it kept them,
-    else by token id order.
+    else by token id order. `gamma` / `window` replace the decoding defaults recorded by the run.
     """
+    for name, v in (("gamma", gamma), ("window", window)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ExportError(f"--{name} must be an integer >= 1, got {v!r}")
     out = Path(output_dir).absolute()
     train_dir = Path(train_dir).absolute()
     if out.exists() and not overwrite:
@@ -446,6 +451,10 @@ def export(
         if protected and Path(protected).exists() and Path(protected).absolute().resolve() == out.resolve():
             raise ExportError(f"--output-dir {out} is an input of this export; choose another folder")
     model = build_model(run, base, base_revision=base_revision, dtype=dtype)
+    if gamma is not None:
+        model.hispec_config.gamma = gamma
+    if window is not None:
+        model.hispec_config.window = window
     if draft_vocab_size is not None or verify_vocab_size is not None:
         restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, vocab_data)
     source = model.hispec_config.base["name_or_path"]

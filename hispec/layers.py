@@ -194,12 +194,29 @@ class DecoderAdapter:
         if vocab is None:
             logits = p.lm_head(normed)
         else:
-            weight = p.lm_head.weight.index_select(0, vocab)
-            bias = getattr(p.lm_head, "bias", None)
-            logits = nn.functional.linear(normed, weight, None if bias is None else bias.index_select(0, vocab))
+            weight, bias = self._vocab_rows(vocab)
+            logits = nn.functional.linear(normed, weight, bias)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+    def _vocab_rows(self, vocab: torch.Tensor):
+        """The lm_head rows (and bias) of `vocab`; copies of a frozen lm_head are cached (a reduced-vocabulary head
+        projects every decoding step, and gathering 8k x H rows each time costs as much as the product)."""
+        w = self.parts.lm_head.weight
+        b = getattr(self.parts.lm_head, "bias", None)
+        if w.requires_grad:
+            return w.index_select(0, vocab), None if b is None else b.index_select(0, vocab)
+        key = (vocab.data_ptr(), vocab.numel(), vocab._version, str(vocab.device), w.data_ptr(), w.dtype, w._version)
+        cache = self.__dict__.setdefault("_vocab_rows_cache", {})
+        hit = cache.get(key)
+        if hit is None:
+            with torch.no_grad():
+                hit = (w.index_select(0, vocab), None if b is None else b.index_select(0, vocab))
+            if len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            cache[key] = hit
+        return hit
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden after the last layer `[.., H]` -> the model's own logits `[.., V]`."""

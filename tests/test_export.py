@@ -469,8 +469,9 @@ def test_reduced_head_vocabularies_are_counted_on_data_and_kept_by_the_checkpoin
     data.write_text("\n".join(json.dumps({"text": "t50 t50 t50 t61 t61 t70"}) for _ in range(3)) + "\n")
     out = tmp_path / "vocab"
     assert main([str(train_dir), "--output-dir", str(out), "--draft-vocab-size", "6", "--verify-vocab-size", "10",
-                 "--vocab-data", str(data)]) == 0
+                 "--vocab-data", str(data), "--gamma", "2", "--window", "3"]) == 0
     model = hispec.load(out)
+    assert (model.hispec_config.gamma, model.hispec_config.window) == (2, 3)
     draft = model.heads["draft"].vocab.tolist()
     assert len(draft) == 6 and {1, 50, 61, 70} <= set(draft)  # EOS (t1) always, then by count, then by id
     assert model.hispec_config.verify_vocab_size == 10 and len(model.heads["verify"].vocab) == 10
@@ -481,4 +482,5 @@ def test_reduced_head_vocabularies_are_counted_on_data_and_kept_by_the_checkpoin
         assert torch.equal(got.sequences, ref), strategy
     bad = tmp_path / "bad"
     assert main([str(train_dir), "--output-dir", str(bad), "--draft-vocab-size", "100000"]) == 1
+    assert main([str(train_dir), "--output-dir", str(bad), "--gamma", "0"]) == 1
     assert not bad.exists()

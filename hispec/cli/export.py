@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-data", nargs="+", default=[], metavar="FILE",
                    help="text/json/jsonl files to count token frequencies on (default: the run's self-distilled "
                         "answers if it kept them, else token id order)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="decoding default: drafts per round (default: the run's; choose with hispec-bench --sweep)")
+    p.add_argument("--window", type=int, default=None,
+                   help="decoding default: tokens gathered before full verification (default: the run's)")
     hub = p.add_argument_group("Hugging Face Hub (token from $HF_TOKEN or `hf auth login`)")
     hub.add_argument("--push-to-hub", metavar="REPO_ID", default=None,
                      help="after the local export, upload the folder to this model repo (created if missing)")
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             dtype=None if args.dtype == "auto" else args.dtype, heads_only=args.heads_only,
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, base_model_id=args.base_model_id,
             license=args.license, name=args.push_to_hub, draft_vocab_size=args.draft_vocab_size,
-            verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data,
+            verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data, gamma=args.gamma,
+            window=args.window,
         )
     except (CheckpointError, ex.ExportError, FileExistsError, ValueError, OSError) as e:
         return fail(str(e))
