@@ -1,0 +1,347 @@
+"""hispec-probe: held-out top-1 agreement with the final layer's argmax, by exit layer and head type.
+
+    hispec-probe --model ~/.cache/hispec/models/SmolLM2-135M-Instruct \\
+        --data ../shared/data/train/gsm8k_train.jsonl ../shared/data/eval/sharegpt_v3_filtered_500.json \\
+        --max-prompts 120 --eval-data ../shared/data/eval/spec_bench_question.jsonl --max-eval-prompts 24 \\
+        --max-new-tokens 96 --layers 2-28:2 --head-types shared,norm,linear --steps 150 \\
+        --plot probe.png --json-out probe.json
+    hispec-probe --model M --data chats.jsonl --eval-fraction 0.1 --draft-vocab-sizes 8192,16384
+    hispec-probe --model M --data prompts.jsonl --layers 4,8 --head-types linear --train-sizes 5000,20000,80000
+
+Data (--data, --eval-data): any prompt file hispec understands (Spec-Bench / MT-Bench question.jsonl, ShareGPT
+json, jsonl/json with a prompt / text / instruction / question field, .txt one prompt a line); jsonl/json records
+with {"prompt", "response"} or {"messages": [...]} are teacher-forced as they are (over the assistant turns);
+--raw-text makes .txt files and {"text"} records documents scored on every token. Prompts alone are answered by the
+model itself, greedily, and the answers cached on disk (model + prompt hash) so a rerun generates nothing.
+Held-out data: --eval-data, or a --eval-fraction of --data's prompts. Spec-Bench / MT-Bench files are refused as
+training data (use them as --eval-data) unless --allow-eval-sets-for-training.
+
+The frozen model runs once over all sequences; at each probed layer a head of each type is evaluated on the held-out
+answers (`shared` = the model's own final norm + lm_head, zero-shot; norm / linear / lowrank trained for --steps
+steps by forward KL against the final layer's top-64 + rest bucket): top-1 agreement, top-5 agreement and expected
+tokens per full-model pass of greedy self-speculation with --gamma drafts (from the measured agree/disagree runs).
+Prints a table, then one JSON line (the results) as the last line of stdout; progress goes to stderr.
+Exit status: 0; 2 on bad input (checked before any model work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CACHE = "~/.cache/hispec/probe"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..probe import DEFAULT_HEAD_TYPES
+
+    p = argparse.ArgumentParser(prog="hispec-probe", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    m = p.add_argument_group("model")
+    m.add_argument("--model", required=True, help="base model: local HF folder, Hub id or .gguf file")
+    m.add_argument("--revision", help="Hub revision")
+    m.add_argument("--dtype", default="fp32", help="dtype of the probe pass and head training (default fp32)")
+    m.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training (and, without --eval-data, "
+                   "held-out) data files")
+    d.add_argument("--eval-data", nargs="+", metavar="FILE", help="held-out data files (e.g. Spec-Bench questions)")
+    d.add_argument("--eval-fraction", type=float, default=0.2,
+                   help="without --eval-data: share of --data's prompts held out (default 0.2)")
+    d.add_argument("--max-prompts", type=int, help="use at most this many --data items, spread round-robin over "
+                   "files and categories (default all)")
+    d.add_argument("--max-eval-prompts", type=int, help="at most this many held-out items, spread likewise")
+    d.add_argument("--allow-eval-sets-for-training", action="store_true",
+                   help="allow --data files named like spec_bench / mt_bench (evaluation sets)")
+    d.add_argument("--raw-text", action="store_true",
+                   help=".txt files and {'text'} records are documents scored on every token, not prompts")
+    d.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    d.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="skip prompts longer than this many tokens (default 512)")
+    d.add_argument("--max-seq-len", type=int, default=1024, help="truncate sequences to this many tokens "
+                   "(default 1024)")
+    g = p.add_argument_group("self-generated answers")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="answer length for prompts (default 128)")
+    g.add_argument("--gen-dtype", help="dtype for generating answers, e.g. bf16 (default: --dtype)")
+    g.add_argument("--gen-batch-size", type=int, default=16, help="prompts per generate call (default 16)")
+    g.add_argument("--cache-dir", default=DEFAULT_CACHE, help=f"answer cache folder (default {DEFAULT_CACHE})")
+    g.add_argument("--no-cache", action="store_true", help="neither read nor write the answer cache")
+    r = p.add_argument_group("probe")
+    r.add_argument("--layers", help="exit layers: list and/or ranges, e.g. 2,4,6 or 2-28:2 "
+                   "(default every 2nd layer below the depth)")
+    r.add_argument("--head-types", default=",".join(DEFAULT_HEAD_TYPES),
+                   help="comma-separated from shared, norm, linear, lowrank (default shared,norm,linear)")
+    r.add_argument("--rank", type=int, default=64, help="lowrank head rank (default 64)")
+    r.add_argument("--steps", type=int, default=200, help="AdamW steps per trained head (default 200)")
+    r.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    r.add_argument("--batch-tokens", type=int, default=512, help="positions per training step (default 512)")
+    r.add_argument("--top-k", type=int, default=64, help="teacher tokens kept per position (default 64)")
+    r.add_argument("--gamma", type=int, default=4, help="drafts per round for tokens per full pass (default 4)")
+    r.add_argument("--draft-vocab-sizes", type=_ints, help="also report agreement with the draft argmax restricted "
+                   "to the K most frequent tokens, e.g. 8192,16384")
+    r.add_argument("--train-sizes", type=_ints, help="agreement-vs-training-tokens curve, e.g. 5000,20000,80000")
+    r.add_argument("--train-size-layers", help="layers for the curve (default: all --layers)")
+    r.add_argument("--feature-dtype", default="bf16", help="storage dtype of exit hidden states (default bf16)")
+    r.add_argument("--feature-batch-tokens", type=int, default=4096,
+                   help="padded tokens per frozen forward batch (default 4096)")
+    r.add_argument("--seed", type=int, default=0, help="seed for the split, batches and head init (default 0)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json-out", help="write the full results (with loss curves) to this JSON file")
+    o.add_argument("--plot", help="write a PNG: agreement vs layer per head type, and per category / vs data size")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    return p
+
+
+def _check_args(args) -> str | None:
+    positive = {"--max-new-tokens": args.max_new_tokens, "--gen-batch-size": args.gen_batch_size,
+                "--max-prompt-tokens": args.max_prompt_tokens, "--max-seq-len": args.max_seq_len,
+                "--batch-tokens": args.batch_tokens, "--top-k": args.top_k, "--gamma": args.gamma,
+                "--rank": args.rank, "--feature-batch-tokens": args.feature_batch_tokens}
+    for name, v in positive.items():
+        if v < 1:
+            return f"{name} must be >= 1"
+    for name, v in (("--max-prompts", args.max_prompts), ("--max-eval-prompts", args.max_eval_prompts)):
+        if v is not None and v < 1:
+            return f"{name} must be >= 1"
+    if args.steps < 0:
+        return "--steps must be >= 0"
+    if not args.lr > 0:
+        return "--lr must be > 0"
+    if args.eval_data is None and not 0.0 < args.eval_fraction < 1.0:
+        return "--eval-fraction must be between 0 and 1 (exclusive)"
+    if args.train_sizes and min(args.train_sizes) < 1:
+        return "--train-sizes must be positive token counts"
+    if args.draft_vocab_sizes and min(args.draft_vocab_sizes) < 1:
+        return "--draft-vocab-sizes must be positive"
+    if args.train_size_layers and not args.train_sizes:
+        return "--train-size-layers needs --train-sizes"
+    return None
+
+
+def _read_config(model: str) -> dict | None:
+    """The text config of a local folder's config.json (None when it cannot be read without loading)."""
+    path = Path(model).expanduser()
+    cfg = path / "config.json"
+    if path.is_dir() and cfg.is_file():
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+        return data.get("text_config", data) if "num_hidden_layers" not in data else data
+    return None
+
+
+def _check_against(args, num_layers: int, hidden: int | None, vocab: int | None) -> None:
+    from ..probe import ProbeError, parse_layers
+
+    parse_layers(args.layers, num_layers)
+    if args.train_size_layers:
+        parse_layers(args.train_size_layers, num_layers)
+    if hidden and "lowrank" in args.head_types and args.rank > hidden:
+        raise ProbeError(f"--rank {args.rank} exceeds the hidden size ({hidden}); lowrank heads need 1..{hidden}")
+    for k in args.draft_vocab_sizes or []:
+        if vocab and k > vocab:
+            raise ProbeError(f"draft vocabulary size {k} exceeds the model's vocabulary ({vocab})")
+
+
+def _check_model_path(model: str) -> str | None:
+    path = Path(model).expanduser()
+    looks_local = model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") > 1
+    if looks_local and not path.exists():
+        return f"model {model} does not exist"
+    if path.is_dir() and not (path / "config.json").is_file():
+        return f"model folder {model} has no config.json"
+    return None
+
+
+def _write_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _log(msg: str) -> None:
+    print(f"[hispec-probe] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = _check_args(args)
+    if problem:
+        parser.error(problem)
+
+    from .. import probe
+    from ..io import parse_dtype
+
+    t_start = time.perf_counter()
+    try:
+        # ---- everything that can be checked without the model
+        head_types = probe.parse_head_types(args.head_types)
+        dtype, feature_dtype = parse_dtype(args.dtype), parse_dtype(args.feature_dtype)
+        gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
+        problem = _check_model_path(args.model)
+        if problem:
+            raise probe.ProbeError(problem)
+        for f in [*args.data, *(args.eval_data or [])]:
+            if not Path(f).is_file():
+                raise probe.ProbeError(f"data file {f} does not exist")
+        probe.check_training_files(args.data, args.allow_eval_sets_for_training)
+        cfg = _read_config(args.model)
+        if cfg and cfg.get("num_hidden_layers"):
+            _check_against(args, int(cfg["num_hidden_layers"]), cfg.get("hidden_size"), cfg.get("vocab_size"))
+        train_all = [it for f in args.data for it in probe.read_items(f, args.raw_text)]
+        eval_all = [it for f in (args.eval_data or []) for it in probe.read_items(f, args.raw_text)]
+    except (probe.ProbeError, ValueError, OSError) as e:
+        print(f"hispec-probe: error: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+    import transformers
+
+    from ..model import load_base_model, load_tokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = not args.no_progress
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    seconds = {}
+    try:
+        tokenizer = load_tokenizer(args.model, revision=args.revision)
+        if tokenizer is None:
+            raise probe.ProbeError(f"no tokenizer could be loaded from {args.model} (no tokenizer files, or not "
+                                   "reachable); the probe tokenizes text data and needs one")
+        prepared: dict[int, probe.Prepared] = {}
+        rejected = [0]
+
+        def accept(item):
+            if id(item) not in prepared:
+                p = probe.prepare_item(tokenizer, item, max_prompt_tokens=args.max_prompt_tokens,
+                                       max_seq_len=args.max_seq_len, chat=not args.no_chat)
+                if p is None:
+                    rejected[0] += 1
+                    return False
+                prepared[id(item)] = p
+            return True
+
+        overlap = 0
+        if eval_all:
+            eval_keys = {it.key for it in eval_all}
+            overlap = sum(it.key in eval_keys for it in train_all)
+            train_all = [it for it in train_all if it.key not in eval_keys]
+            train_items = probe.select_items(train_all, args.max_prompts, accept)
+            eval_items = probe.select_items(eval_all, args.max_eval_prompts, accept)
+        else:
+            picked = probe.select_items(train_all, args.max_prompts, accept)
+            train_items, eval_items = probe.split_items(picked, args.eval_fraction, args.seed)
+            if args.max_eval_prompts:
+                eval_items = probe.select_items(eval_items, args.max_eval_prompts)
+        if not eval_items:
+            raise probe.ProbeError("no usable held-out items (all too long or empty?); add --eval-data or more data")
+        if not train_items and (any(h != "shared" for h in head_types) or args.draft_vocab_sizes
+                                or args.train_sizes):
+            raise probe.ProbeError("no usable training items (all too long or empty?); trainable head types, "
+                                   "--draft-vocab-sizes and --train-sizes need training data")
+        preps = []
+        for items, held in ((train_items, False), (eval_items, True)):
+            for it in items:
+                p = prepared[id(it)]
+                p.held_out = held
+                for s in p.sequences:
+                    s.held_out = held
+                preps.append(p)
+        _log(f"{len(train_items)} training items, {len(eval_items)} held-out items "
+             f"({rejected[0]} skipped as too long or empty, {overlap} training items dropped as also held out)")
+
+        # ---- the model
+        _log(f"loading {args.model} ({args.dtype}, {device})")
+        model = load_base_model(args.model, dtype=dtype, device=device, revision=args.revision)
+        from ..layers import DecoderAdapter
+
+        adapter = DecoderAdapter(model)
+        _check_against(args, adapter.num_layers, adapter.hidden_size, adapter.vocab_size)
+        layers = probe.parse_layers(args.layers, adapter.num_layers)
+        size_layers = probe.parse_layers(args.train_size_layers, adapter.num_layers) if args.train_size_layers \
+            else None
+
+        # ---- answers
+        t0 = time.perf_counter()
+        gen_name = str(gen_dtype or model.dtype).replace("torch.", "")
+        fp = probe.model_fingerprint(model)
+        cache = probe.AnswerCache(None if args.no_cache else args.cache_dir, fp, gen_name)
+        holder = {}
+
+        def get_model():
+            if gen_dtype is None or gen_dtype == model.dtype:
+                return model
+            _log(f"loading a {gen_name} copy for generation")
+            holder["m"] = load_base_model(args.model, dtype=gen_dtype, device=device, revision=args.revision)
+            return holder["m"]
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        counts = probe.answer_prompts(preps, cache, get_model, max_new_tokens=args.max_new_tokens,
+                                      max_seq_len=args.max_seq_len, eos=probe.eos_ids(model, tokenizer), pad_id=pad,
+                                      batch_size=args.gen_batch_size, progress=progress)
+        holder.clear()
+        seconds["generate"] = round(time.perf_counter() - t0, 2)
+        _log(f"answers: {counts['generated']} generated, {counts['cached']} from cache"
+             + (f" ({cache.path})" if cache.path else ""))
+        sequences = [s for p in preps for s in p.sequences]
+        if not any(s.held_out for s in sequences):
+            raise probe.ProbeError("no held-out sequence has anything to score")
+
+        # ---- features
+        t0 = time.perf_counter()
+        feats = probe.extract_features(adapter, sequences, sorted(set(layers) | set(size_layers or [])),
+                                       top_k=args.top_k, batch_tokens=args.feature_batch_tokens,
+                                       feature_dtype=feature_dtype or torch.bfloat16, progress=progress)
+        seconds["features"] = round(time.perf_counter() - t0, 2)
+        sizes = {
+            "train_items": len(train_items), "eval_items": len(eval_items),
+            "train_sequences": sum(not s.held_out for s in sequences),
+            "eval_sequences": sum(s.held_out for s in sequences),
+            "train_tokens": int((~feats.held_out).sum()), "eval_tokens": int(feats.held_out.sum()),
+            "generated": counts["generated"], "cached": counts["cached"], "skipped": rejected[0],
+            "overlap_dropped": overlap, "categories": len({s.category for s in sequences if s.held_out}),
+        }
+        _log(f"{sizes['train_tokens']:,} training and {sizes['eval_tokens']:,} held-out positions; "
+             f"probing layers {layers} with {', '.join(head_types)}")
+        config = probe.ProbeConfig(layers=layers, head_types=head_types, steps=args.steps, lr=args.lr,
+                                   batch_tokens=args.batch_tokens, rank=args.rank, top_k=args.top_k,
+                                   gamma=args.gamma, draft_vocab_sizes=list(args.draft_vocab_sizes or []),
+                                   train_sizes=list(args.train_sizes or []), train_size_layers=size_layers,
+                                   seed=args.seed, feature_dtype=feature_dtype or torch.bfloat16)
+        model_info = {"name": Path(str(args.model)).name or str(args.model), "path": str(args.model),
+                      "num_layers": adapter.num_layers, "hidden_size": adapter.hidden_size,
+                      "vocab_size": adapter.vocab_size, "dtype": str(model.dtype).replace("torch.", ""),
+                      "gen_dtype": gen_name, "device": device, "fingerprint": fp[:16]}
+        torch.manual_seed(args.seed)
+        result = probe.run_probe(adapter, feats, config, model_info=model_info, sizes=sizes, seconds=seconds,
+                                 progress=progress)
+    except (probe.ProbeError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"hispec-probe: error: {e}", file=sys.stderr)
+        return 2
+    result.seconds["total"] = round(time.perf_counter() - t_start, 2)
+    print(probe.format_table(result), flush=True)
+    if args.plot:
+        _log(f"wrote {probe.plot(result, args.plot)}")
+    if args.json_out:
+        _write_json(args.json_out, result.as_dict(full=True))
+    print(json.dumps(result.as_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

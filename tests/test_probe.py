@@ -1,0 +1,302 @@
+"""hispec-probe (hispec.probe + hispec.cli.probe): agreement by exit layer and head type.
+
+Offline: a tiny random llama with a character-level tokenizer (and a chat template) saved as a plain HF folder
+stands in for a real model; the metric helpers are checked on handcrafted inputs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hispec import probe
+from hispec.cli.probe import main
+from hispec.layers import DecoderAdapter
+from tiny import tiny_model
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-()\n"
+CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+PROMPTS = [
+    {"prompt": "write a poem about the sea.", "category": "writing"},
+    {"prompt": "what is 12 times 7?", "category": "math"},
+    {"prompt": "name three colours.", "category": "writing"},
+    {"prompt": "solve x + 3 = 5.", "category": "math"},
+    {"prompt": "list two fruits.", "category": "writing"},
+    {"prompt": "what is 9 minus 4?", "category": "math"},
+]
+
+
+def char_tokenizer():
+    """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<s>|."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT
+    return fast
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _run(capsys, argv):
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def test_parse_layers():
+    assert probe.parse_layers(None, 30) == list(range(2, 29, 2))
+    assert probe.parse_layers("2-28:2", 30) == list(range(2, 29, 2))
+    assert probe.parse_layers("8, 2,4-6", 30) == [2, 4, 5, 6, 8]
+    assert probe.parse_layers(None, 6) == [2, 4]
+    for bad in ("0", "30", "2-40:2", "a", "6-2"):
+        with pytest.raises(probe.ProbeError):
+            probe.parse_layers(bad, 30)
+    with pytest.raises(probe.ProbeError, match="unknown head type"):
+        probe.parse_head_types("shared,mlp")
+
+
+def test_simulate_rounds_handcrafted():
+    # all agree, gamma 4: rounds commit 5 + 5 tokens
+    assert probe.simulate_rounds([1] * 10, 4) == (10, 2)
+    # never agree: one token per full pass
+    assert probe.simulate_rounds([0] * 7, 4) == (7, 7)
+    # 1,1,0 -> round 1 accepts 2 and corrects position 2 (3 tokens); then 1,1,1,1 accepted + bonus (5 tokens)
+    assert probe.simulate_rounds([1, 1, 0, 1, 1, 1, 1, 1], 4) == (8, 2)
+    # gamma caps the accepted run: 6 agreements with gamma 2 -> 3 + 3 tokens
+    assert probe.simulate_rounds([1] * 6, 2) == (6, 2)
+    # the last round is cut at the answer's end: 3 positions all agreeing -> one pass
+    assert probe.simulate_rounds([1, 1, 1], 4) == (3, 1)
+    assert probe.simulate_rounds([0, 1, 1, 0, 0], 1) == (5, 4)  # 0 | 1,1 | 0 | 0
+    # over answers: rounds never cross an answer boundary
+    agree = torch.tensor([1, 1, 1, 1, 0, 0, 0])
+    seg = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    assert probe.tokens_per_pass(agree, seg, 4) == pytest.approx(7 / 4)  # (4 tokens, 1 pass) + (3, 3)
+    assert probe.iid_tokens_per_pass(0.0, 4) == 1.0
+    assert probe.iid_tokens_per_pass(1.0, 4) == 5.0
+    assert probe.iid_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+
+
+def test_top_vocab_and_coverage_handcrafted():
+    tokens = torch.tensor([5, 5, 5, 3, 3, 9, 9, 1, 7])  # counts: 5:3, 3:2, 9:2, 1:1, 7:1
+    assert probe.top_vocab(tokens, 1, 10).tolist() == [5]
+    assert probe.top_vocab(tokens, 2, 10).tolist() == [3, 5]  # 3 and 9 tie: the lower id wins
+    assert probe.top_vocab(tokens, 4, 10).tolist() == [1, 3, 5, 9]  # 1 and 7 tie
+    assert probe.top_vocab(tokens, 7, 10).tolist() == [0, 1, 2, 3, 5, 7, 9]  # fill with the lowest unseen ids
+    vocab = probe.top_vocab(tokens, 3, 10)  # {3, 5, 9}
+    assert probe.coverage(vocab, torch.tensor([5, 3, 0, 9, 8])) == pytest.approx(3 / 5)
+    assert probe.coverage(vocab, torch.tensor([], dtype=torch.long)) is None
+    with pytest.raises(probe.ProbeError):
+        probe.top_vocab(tokens, 11, 10)
+    logits = torch.tensor([[0.0, 9.0, 1.0, 2.0], [5.0, 1.0, 0.0, 3.0]])
+    mask = torch.tensor([True, False, True, True])
+    assert probe.restricted_argmax(logits, mask).tolist() == [3, 0]
+
+
+def test_topk_kl_matches_bucketed_kl():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(5, 20, generator=g) * 3
+    s = torch.randn(5, 20, generator=g) * 3
+    ids, logp, top = probe.teacher_targets(t, 20)
+    full = (logp.exp() * (logp - torch.log_softmax(s, -1).gather(-1, ids))).sum(-1)
+    assert torch.allclose(probe.topk_kl(s, ids, logp), full, atol=1e-5)  # k = V: exact KL
+    assert torch.equal(top, t.argmax(-1))
+    ids, logp, _ = probe.teacher_targets(t, 4)
+    p, q = torch.softmax(t, -1), torch.softmax(s, -1)
+    pk, qk = p.gather(-1, ids), q.gather(-1, ids)
+    P = torch.cat([pk, 1 - pk.sum(-1, keepdim=True)], -1)
+    Q = torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1)
+    ref = (P * (P.log() - Q.log())).sum(-1)
+    assert torch.allclose(probe.topk_kl(s, ids, logp), ref, atol=1e-5)
+    assert probe.topk_kl(t, ids, logp).abs().max() < 1e-5  # student == teacher
+
+
+def test_trained_head_beats_zero_shot():
+    """Constructed case: the teacher's features are n(h) + B n(h), which a linear head can represent exactly and
+    the zero-shot final norm cannot; training must lower the loss and raise held-out agreement above zero-shot."""
+    torch.manual_seed(0)
+    adapter = DecoderAdapter(tiny_model("llama"))
+    H = adapter.hidden_size
+    B = torch.randn(H, H) * 0.6
+    with torch.no_grad():
+        h = torch.randn(1400, H)
+        n = adapter.final_norm(h)
+        ids, logp, top = probe.teacher_targets(adapter.project(n + n @ B.T), 16)
+    tr, ev = slice(0, 1000), slice(1000, None)
+    shared = probe.make_head("shared", adapter)
+    base = probe.evaluate_head(shared, adapter, h[ev], ids[ev], logp[ev], top[ev])
+    head = probe.make_head("linear", adapter, seed=1)
+    losses = probe.train_head(head, adapter, h[tr], ids[tr], logp[tr], steps=150, lr=1e-2, batch_tokens=256, seed=0)
+    trained = probe.evaluate_head(head, adapter, h[ev], ids[ev], logp[ev], top[ev])
+    assert len(losses) == 150
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
+    assert trained["kl"].mean() < base["kl"].mean()
+    assert trained["agree1"].float().mean() > base["agree1"].float().mean() + 0.2
+    assert trained["agree5"].float().mean() >= trained["agree1"].float().mean()
+    # deterministic given the seeds
+    again = probe.make_head("linear", adapter, seed=1)
+    assert probe.train_head(again, adapter, h[tr], ids[tr], logp[tr], steps=150, lr=1e-2, batch_tokens=256,
+                            seed=0) == losses
+
+
+def test_items_split_and_chat_spans(tmp_path):
+    f = _jsonl(tmp_path / "mix.jsonl", [
+        {"prompt": "hi there", "response": "hello!"},
+        {"messages": [{"role": "user", "content": "a?"}, {"role": "assistant", "content": "b."},
+                      {"role": "user", "content": "c?"}, {"role": "assistant", "content": "dd."}]},
+        {"question": "what is 2+2?", "answer": "4"},  # a prompt (the reference answer is not the model's own)
+        {"turns": ["q1", "q2"], "category": "writing", "question_id": 1},
+    ])
+    items = probe.read_items(f)
+    assert [it.kind for it in items] == ["chat", "chat", "prompt", "prompt"]
+    assert [it.category for it in items] == ["mix", "mix", "mix", "writing"]
+    tok = char_tokenizer()
+    ids, spans = probe.chat_sequence(tok, items[1].messages, 1024)
+    scored = "".join(tok.decode(ids[a:b]) for a, b in spans)
+    assert scored.replace(" ", "") == "b.\ndd.\n"  # exactly the two assistant turns (+ their line ends)
+    train, held = probe.split_items(items * 2, 0.5, seed=3)
+    assert {it.key for it in train}.isdisjoint({it.key for it in held}) and len(train) + len(held) == 8
+    assert probe.split_items(items, 0.5, seed=3) == probe.split_items(items, 0.5, seed=3)
+    picked = probe.select_items(items, 3)
+    assert [it.category for it in picked] == ["mix", "writing", "mix"]  # round-robin over categories
+    txt = tmp_path / "doc.txt"
+    txt.write_text("some plain text to score.\nmore text.\n")
+    assert [it.kind for it in probe.read_items(txt)] == ["prompt", "prompt"]
+    assert [it.kind for it in probe.read_items(txt, raw_text=True)] == ["text"]
+
+
+def test_answer_cache_serves_shorter_requests(tmp_path):
+    c = probe.AnswerCache(tmp_path, "abc" * 8, "float32")
+    c.put_many([([1, 2, 3], [7, 8, 9, 10], False, 4), ([4], [5, 2], True, 4)])
+    c2 = probe.AnswerCache(tmp_path, "abc" * 8, "float32")  # from disk
+    assert c2.get([1, 2, 3], 2) == [7, 8]
+    assert c2.get([1, 2, 3], 8) is None  # unfinished and shorter than asked: regenerate
+    assert c2.get([4], 100) == [5, 2]  # finished (EOS): valid for any length
+    assert probe.AnswerCache(tmp_path, "xyz" * 8, "float32").get([4], 1) is None  # another model
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def test_cli_table_json_plot_and_cache(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    cache = tmp_path / "cache"
+    argv = ["--model", model_dir, "--data", data, "--eval-fraction", "0.34", "--max-new-tokens", "12",
+            "--layers", "2,5", "--head-types", "shared,norm,linear", "--steps", "4", "--batch-tokens", "32",
+            "--draft-vocab-sizes", "10,40", "--cache-dir", cache, "--json-out", tmp_path / "out.json",
+            "--no-progress", "--seed", "1"]
+    plot = tmp_path / "probe.png"
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", plot]
+    except ImportError:
+        plot = None
+    rc, out, err = _run(capsys, argv)
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    res = json.loads(lines[-1])
+    assert "layer" in out and "top1" in out and "by category" in out
+    assert res["layers"] == [2, 5] and res["head_types"] == ["shared", "norm", "linear"]
+    assert len(res["top1"]) == 2 and all(len(row) == 3 for row in res["top1"])
+    for key in ("top1", "top5", "tokens_per_pass"):
+        for row in res[key]:
+            for v in row:
+                assert v is not None
+                assert (0.0 <= v <= 1.0) if key != "tokens_per_pass" else (1.0 <= v <= 5.0)
+    for row1, row5 in zip(res["top1"], res["top5"]):
+        assert all(b >= a for a, b in zip(row1, row5))
+    assert res["sizes"]["generated"] == 6 and res["sizes"]["eval_items"] == 2 and res["sizes"]["train_tokens"] > 0
+    assert set(res["categories"]) <= {"writing", "math"}
+    assert len(res["draft_vocab"]["coverage"]) == 2 and all(0 <= c <= 1 for c in res["draft_vocab"]["coverage"])
+    assert res["draft_vocab"]["coverage"][1] >= res["draft_vocab"]["coverage"][0]
+    assert res["train_loss_first"][0][0] is None and res["train_loss_first"][0][1] is not None
+    assert {"generate", "features", "train", "eval", "total"} <= set(res["seconds"])
+    full = json.loads((tmp_path / "out.json").read_text())
+    assert full["top1"] == res["top1"] and "L2/linear" in full["loss_curves"]
+    if plot is not None:
+        assert plot.stat().st_size > 1000
+    # a rerun generates nothing (answers cached) and gives the same numbers (deterministic given --seed)
+    rc, out2, err2 = _run(capsys, argv)
+    assert rc == 0, err2
+    res2 = json.loads(out2.strip().splitlines()[-1])
+    assert res2["sizes"]["generated"] == 0 and res2["sizes"]["cached"] == 6
+    assert res2["top1"] == res["top1"] and res2["top5"] == res["top5"]
+    assert res2["train_loss_last"] == res["train_loss_last"]
+
+
+def test_cli_full_chats_eval_data_and_train_sizes(model_dir, tmp_path, capsys):
+    chats = _jsonl(tmp_path / "chats.jsonl", [
+        {"messages": [{"role": "user", "content": f"question {i}?"},
+                      {"role": "assistant", "content": f"answer number {i} is {i * 7}."}]} for i in range(8)])
+    held = _jsonl(tmp_path / "spec_bench_question.jsonl", [
+        {"question_id": i, "category": c, "turns": [f"{c} task {i}", "again"]}
+        for i, c in enumerate(["writing", "math", "qa"])])
+    rc, out, err = _run(capsys, ["--model", model_dir, "--data", chats, "--eval-data", held, "--max-new-tokens", "6",
+                                 "--layers", "1-4:3", "--head-types", "shared,lowrank", "--rank", "4", "--steps", "3",
+                                 "--batch-tokens", "16", "--train-sizes", "20,60,100000", "--no-cache",
+                                 "--no-progress"])
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["layers"] == [1, 4]
+    assert res["sizes"]["generated"] == 3  # only the held-out prompts were answered; chats are teacher-forced
+    assert res["sizes"]["train_sequences"] == 8
+    assert sorted(res["categories"]) == ["math", "qa", "writing"]
+    curve = res["train_sizes"]
+    assert curve["head_types"] == ["lowrank"] and curve["sizes"] == [20, 60, 100000]
+    assert curve["used_tokens"][:2] == [20, 60] and curve["used_tokens"][2] == res["sizes"]["train_tokens"]
+    assert len(curve["top1"]["lowrank"]) == 2 and all(len(r) == 3 for r in curve["top1"]["lowrank"])
+    assert "training tokens" in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--layers", "6"], "out of range"),
+    (["--layers", "0,2"], "out of range"),
+    (["--head-types", "shared,mlp"], "unknown head type"),
+    (["--data", "MISSING.jsonl"], "does not exist"),
+    (["--data", "EMPTY"], "no usable"),
+    (["--data", "SPEC"], "evaluation sets"),
+    (["--eval-fraction", "1.5"], "eval-fraction"),
+    (["--steps", "-1"], "--steps"),
+    (["--head-types", "lowrank", "--rank", "33"], "exceeds the hidden size"),
+    (["--draft-vocab-sizes", "98"], "exceeds the model's vocabulary"),
+    (["--model", "/nonexistent/model"], "does not exist"),
+])
+def test_bad_input_exit_2(model_dir, tmp_path, capsys, monkeypatch, extra, message):
+    import hispec.model
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded on bad input")
+
+    monkeypatch.setattr(hispec.model, "load_base_model", no_load)
+    data = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    spec = _jsonl(tmp_path / "spec_bench_question.jsonl", [{"turns": ["x"], "category": "writing"}])
+    subst = {"MISSING.jsonl": tmp_path / "missing.jsonl", "EMPTY": empty, "SPEC": spec}
+    extra = [subst.get(x, x) for x in extra]
+    argv = ["--model", model_dir, "--data", data, "--no-progress", "--no-cache", *extra]
+    try:
+        rc, out, err = _run(capsys, argv)
+    except SystemExit as e:  # argparse-level errors
+        rc, err = e.code, capsys.readouterr().err
+    assert rc == 2
+    assert message in err
