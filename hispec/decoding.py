@@ -118,7 +118,13 @@ class _Run:
         self.done = [torch.zeros_like(lens) for _ in range(self.K + 1)]
         H = self.adapter.hidden_size
         self.hid = [None] + [torch.zeros(B, cap, H, dtype=self.adapter.dtype, device=dev) for _ in range(self.K)]
-        self.cache = self.adapter.new_cache(B)
+        # `layer` heads keep their own KV as extra cache layers, advanced and rolled back with their exit's range
+        self.cache = self.adapter.new_cache(B, extra=2 if model.stateful_heads else 0)
+        self.state_heads = [None] * (self.K + 1)
+        for j, lv in enumerate(levels[:-1]):
+            head = model.heads[lv.head]
+            if head.stateful:
+                self.state_heads[j] = head
         self.orig = torch.arange(B, device=dev)
         self.results: dict[int, list[int]] = {}
         # Sampling: probability rows of each level (except the top) by position, offset by `base`.
@@ -127,12 +133,13 @@ class _Run:
 
     # ------------------------------------------------------------------ machinery
     def _advance(self, j: int, end: torch.Tensor):
-        """Run range j over positions [done[j], end) of every row; returns (output [B, T, H] or None, start)."""
+        """Run range j over positions [done[j], end) of every row; returns (output [B, T, H] or None, start,
+        head features [B, T, H] of level j's stateful head or None)."""
         start = self.done[j]
         n = (end - start).clamp(min=0)
         T = int(n.max()) if n.numel() else 0
         if T == 0:
-            return None, start
+            return None, start, None
         ar = torch.arange(T, device=start.device)
         idx = start[:, None] + ar  # [B, T] absolute positions
         valid = ar < n[:, None]
@@ -147,14 +154,25 @@ class _Run:
         if j + 1 <= self.K:
             r, c = valid.nonzero(as_tuple=True)
             self.hid[j + 1][r, idx[r, c]] = out[r, c]
-        self.done[j] = torch.maximum(start, end)
-        return out, start
+        feats = None
+        head = self.state_heads[j]
+        if head is not None:  # the head's own layer sees exactly the positions its exit's range saw
+            def run_layer(module, hidden):
+                return self.adapter.run_module(module, head.layer_type, hidden, cache_index=head.cache_index,
+                                               position_ids=idx, cache=self.cache, valid=valid)
 
-    def _logits(self, k: int, feats: torch.Tensor) -> torch.Tensor:
+            feats = head(out, run_layer)
+            self.stats.layer_evals += int(n.sum())
+        self.done[j] = torch.maximum(start, end)
+        return out, start, feats
+
+    def _logits(self, k: int, hidden: torch.Tensor, head_feats: torch.Tensor | None = None) -> torch.Tensor:
         head = self.levels[k].head
         if head is None:
-            return self.adapter.final_logits(feats)
-        return self.model.exit_logits(head, feats)
+            return self.adapter.final_logits(hidden)
+        if head_feats is not None:  # a stateful head already ran while its range advanced
+            return self.model.project_exit(head, head_feats)
+        return self.model.exit_logits(head, hidden)
 
     def _stop_pos(self) -> torch.Tensor:
         """Per row, the first position that must not be extended: min(limit, first EOS after the prompt + 1)."""
@@ -203,7 +221,7 @@ class _Run:
         end = self.prompt_len
         out = None
         for j in range(self.K + 1):
-            out, _ = self._advance(j, end)
+            out, _, _ = self._advance(j, end)
         feats = out[torch.arange(len(end), device=end.device), end - 1][:, None]  # [B, 1, H]
         logits = self._logits(self.K, feats)[:, 0]
         token = sample(logits_to_probs(logits, **self.warp), self.generator) if self.do_sample else logits.argmax(-1)
@@ -220,11 +238,12 @@ class _Run:
         t0 = time.perf_counter()
         grow = self.seq < self._stop_pos()
         end = torch.where(grow, self.seq, self.done[0])
-        out, start = self._advance(0, end)
+        out, start, hf = self._advance(0, end)
         if out is not None:
             last = (end - start - 1).clamp(min=0)
-            feats = out[torch.arange(len(last)), last][:, None]  # [B, 1, H]
-            logits = self._logits(0, feats)[:, 0]
+            rows = torch.arange(len(last))
+            feats = out[rows, last][:, None]  # [B, 1, H]
+            logits = self._logits(0, feats, None if hf is None else hf[rows, last][:, None])[:, 0]
             if self.do_sample:
                 probs = logits_to_probs(logits, **self.warp)
                 token = sample(probs, self.generator)
@@ -258,12 +277,12 @@ class _Run:
         part = m > 0
         if not bool(part.any()):
             return
-        out = None
+        out = hf = None
         for j in range(k + 1):
-            out, _ = self._advance(j, torch.where(part, self.seq, self.done[j]))
+            out, _, hf = self._advance(j, torch.where(part, self.seq, self.done[j]))
         M = int(m.max())
         feats = out[:, : M + 1]  # range k started at ver[k] - 1 for participating rows
-        logits = self._logits(k, feats)  # [B, M+1, V]
+        logits = self._logits(k, feats, None if hf is None else hf[:, : M + 1])  # [B, M+1, V]
         cidx = (self.ver[k][:, None] + torch.arange(M, device=m.device)).clamp(max=self.tok.shape[1] - 1)
         cands = self.tok.gather(1, cidx)
         if self.do_sample:
@@ -285,6 +304,9 @@ class _Run:
         keep_below = torch.where(part, newpos, big)
         for j in range(self.K + 1):
             self.cache.truncate(self.bounds[j], self.bounds[j + 1], keep_below)
+            if self.state_heads[j] is not None:
+                c = self.state_heads[j].cache_index
+                self.cache.truncate(c, c + 1, keep_below)
             self.done[j] = torch.minimum(self.done[j], keep_below)
         new_seq = torch.where(part, newpos + has_new.long(), self.seq)
         self.seq = new_seq

@@ -439,9 +439,9 @@ def export(
     most frequent tokens of `vocab_data` files, by default of the run's self-distilled answers when it kept them,
     else by token id order. `gamma` / `window` replace the decoding defaults recorded by the run.
     """
-    for name, v in (("gamma", gamma), ("window", window)):
+    for flag, v in (("gamma", gamma), ("window", window)):
         if v is not None and (not isinstance(v, int) or v < 1):
-            raise ExportError(f"--{name} must be an integer >= 1, got {v!r}")
+            raise ExportError(f"--{flag} must be an integer >= 1, got {v!r}")
     out = Path(output_dir).absolute()
     train_dir = Path(train_dir).absolute()
     if out.exists() and not overwrite:

@@ -223,8 +223,9 @@ class DecoderAdapter:
         return self.project(self.parts.final_norm(hidden))
 
     # ------------------------------------------------------------------ layers
-    def new_cache(self, batch_size: int) -> KVCache:
-        return KVCache(self.num_layers, batch_size, device=self.device)
+    def new_cache(self, batch_size: int, extra: int = 0) -> KVCache:
+        """A cache for the model's layers plus `extra` layers of exit heads (indices num_layers, ...)."""
+        return KVCache(self.num_layers + extra, batch_size, device=self.device)
 
     def _masks(self, kv_valid, kv_pos, q_pos, types: set[str], dtype) -> dict[str, torch.Tensor | None]:
         # kv_valid, kv_pos: [B, K]; q_pos: [B, T]; the T queries are the last T slots.
@@ -255,6 +256,30 @@ class DecoderAdapter:
             masks[t] = m
         return masks
 
+    def _prepare(self, hidden, position_ids, valid, cache, slot_layer: int, types: set[str]):
+        if valid is None:
+            valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        old_valid, old_pos = cache.slot_meta(slot_layer)
+        kv_valid = torch.cat([old_valid, valid], 1)
+        kv_pos = torch.cat([old_pos, position_ids], 1)
+        masks = self._masks(kv_valid, kv_pos, position_ids, types, hidden.dtype)
+        rotary = {}
+        if self.parts.rotary is not None:
+            if self._rotary_by_type:
+                rotary = {t: self.parts.rotary(hidden, position_ids, t) for t in types}
+            else:
+                pe = self.parts.rotary(hidden, position_ids)
+                rotary = {t: pe for t in types}
+        return kv_valid, kv_pos, masks, rotary
+
+    def _call_layer(self, layer, layer_type, hidden, position_ids, cache, masks, rotary):
+        kwargs = {"attention_mask": masks[layer_type], "position_ids": position_ids, "use_cache": True}
+        kwargs[self._cache_kw] = cache
+        if rotary:
+            kwargs["position_embeddings"] = rotary[layer_type]
+        out = layer(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
     def run_layers(
         self,
         hidden: torch.Tensor,
@@ -272,32 +297,35 @@ class DecoderAdapter:
         """
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is out of range for a {self.num_layers}-layer model")
-        B, T = hidden.shape[:2]
-        if valid is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=hidden.device)
         cache.seq_length(start, end)
-        old_valid, old_pos = cache.slot_meta(start)
-        kv_valid = torch.cat([old_valid, valid], 1)
-        kv_pos = torch.cat([old_pos, position_ids], 1)
         types = set(self.layer_types[start:end])
-        masks = self._masks(kv_valid, kv_pos, position_ids, types, hidden.dtype)
-        rotary = {}
-        if self.parts.rotary is not None:
-            if self._rotary_by_type:
-                rotary = {t: self.parts.rotary(hidden, position_ids, t) for t in types}
-            else:
-                pe = self.parts.rotary(hidden, position_ids)
-                rotary = {t: pe for t in types}
-
+        kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types)
         for i in range(start, end):
-            t = self.layer_types[i]
-            kwargs = {"attention_mask": masks[t], "position_ids": position_ids, "use_cache": True}
-            kwargs[self._cache_kw] = cache
-            if rotary:
-                kwargs["position_embeddings"] = rotary[t]
-            out = self.parts.layers[i](hidden, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
+            hidden = self._call_layer(self.parts.layers[i], self.layer_types[i], hidden, position_ids, cache, masks,
+                                      rotary)
         cache.set_slot_meta(start, end, kv_valid, kv_pos)
+        return hidden
+
+    def run_module(
+        self,
+        layer: nn.Module,
+        layer_type: str,
+        hidden: torch.Tensor,
+        *,
+        cache_index: int,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one extra decoder layer (a `layer` exit head: a copy of a base layer whose attention writes to
+        cache layer `cache_index`, beyond the model's own) exactly as `run_layers` runs the model's layers."""
+        if layer_type not in _LAYER_TYPES:
+            raise ValueError(f"unknown layer type {layer_type!r}")
+        if not self.num_layers <= cache_index < cache.num_layers:
+            raise ValueError(f"cache index {cache_index} is not an extra slot of this cache ({cache.num_layers} layers)")
+        kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, cache_index, {layer_type})
+        hidden = self._call_layer(layer, layer_type, hidden, position_ids, cache, masks, rotary)
+        cache.set_slot_meta(cache_index, cache_index + 1, kv_valid, kv_pos)
         return hidden
 
     def forward_all(

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .heads import HEAD_TYPES, ExitHead
+from .heads import EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
 from .layers import DecoderAdapter
 
@@ -192,9 +192,16 @@ class EarlyExitModel(nn.Module):
         if config.head_type == "lowrank" and not config.head_rank:
             config.head_rank = min(64, self.adapter.hidden_size)
         rank = config.head_rank or 64
+        exits = {"draft": config.draft_layer, "verify": config.verify_layer}
         self.heads = nn.ModuleDict(
             {
-                name: ExitHead(config.head_type, self.adapter.final_norm, self.adapter.hidden_size, rank=rank)
+                name: ExitHead(
+                    config.head_type, self.adapter.final_norm, self.adapter.hidden_size, rank=rank,
+                    # a `layer` head starts as a copy of the base layer right after its exit
+                    layer=self.adapter.parts.layers[exits[name]] if config.head_type == "layer" else None,
+                    layer_type=self.adapter.layer_types[exits[name]],
+                    cache_index=self.adapter.num_layers + EXTRA_CACHE_INDEX[name],
+                )
                 for name in EXITS
             }
         )
@@ -245,14 +252,24 @@ class EarlyExitModel(nn.Module):
         self.heads[exit_name].set_vocab(ids)
         setattr(self.hispec_config, f"{exit_name}_vocab_size", self.heads[exit_name].vocab_size)
 
-    def exit_logits(self, exit_name: str, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def stateful_heads(self) -> bool:
+        """True when the heads keep their own KV (`layer` heads): decoding allocates extra cache layers."""
+        return any(h.stateful for h in self.heads.values())
+
+    def exit_logits(self, exit_name: str, hidden: torch.Tensor, vocab: torch.Tensor | None = None,
+                    run_layer=None) -> torch.Tensor:
         """Hidden `[.., H]` at exit `exit_name` ('draft' / 'verify') -> logits `[.., V]`.
 
         With `vocab` given: logits over those ids only, `[.., len(vocab)]`. Otherwise a head with a reduced
-        vocabulary projects onto its ids only and returns full-size logits with -inf elsewhere.
+        vocabulary projects onto its ids only and returns full-size logits with -inf elsewhere. A `layer` head
+        needs `run_layer` (see hispec.heads).
         """
+        return self.project_exit(exit_name, self.heads[exit_name](hidden, run_layer), vocab)
+
+    def project_exit(self, exit_name: str, feats: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Head features (the head's output) -> logits, honouring the head's reduced vocabulary."""
         head = self.heads[exit_name]
-        feats = head(hidden)
         if vocab is not None or head.vocab is None:
             return self.adapter.project(feats, vocab)
         sub = self.adapter.project(feats, head.vocab)

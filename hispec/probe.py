@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .heads import HEAD_TYPES, ExitHead
+from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
+from .heads import ExitHead
 from .prompts import _from_record
 
 DEFAULT_HEAD_TYPES = ("shared", "norm", "linear")

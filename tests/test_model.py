@@ -50,9 +50,13 @@ def _exit_and_base_logits(model: EarlyExitModel, ids: torch.Tensor) -> dict[str,
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     ad = model.adapter
     _, saved = ad.forward_all(ids, pos, ad.new_cache(ids.shape[0]), exits=(model.draft_layer, model.verify_layer))
+    def run(name):  # `layer` heads attend over the sequence: run them over it with a fresh cache
+        head = model.heads[name]
+        return head.run_layer_fresh(ad) if head.stateful else None
+
     return {
-        "draft": model.exit_logits("draft", saved[model.draft_layer]),
-        "verify": model.exit_logits("verify", saved[model.verify_layer]),
+        "draft": model.exit_logits("draft", saved[model.draft_layer], run_layer=run("draft")),
+        "verify": model.exit_logits("verify", saved[model.verify_layer], run_layer=run("verify")),
         "base": model.base(input_ids=ids).logits,
     }
 
@@ -96,9 +100,11 @@ def test_heads_never_hold_a_vocab_sized_tensor_and_only_heads_train(head_type):
     model = _wrap("opt", head_type)  # opt: hidden 32, projected to 16 before a 97-token lm_head
     vocab, hidden = model.adapter.vocab_size, model.adapter.hidden_size
     state = model.heads_state_dict()
+    inter = max(hidden, getattr(model.adapter.config, "ffn_dim", 0) or getattr(model.adapter.config,
+                                                                                "intermediate_size", 0) or 0)
     for name, tensor in list(state.items()) + [(n, b) for n, b in model.heads.named_buffers()]:
         assert vocab not in tensor.shape, name
-        assert tensor.numel() <= hidden * hidden, name
+        assert tensor.numel() <= hidden * (inter if head_type == "layer" else hidden), name
     lm_head = model.base.get_output_embeddings().weight
     assert all(p.data_ptr() != lm_head.data_ptr() for p in model.heads.parameters())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -109,6 +115,8 @@ def test_heads_never_hold_a_vocab_sized_tensor_and_only_heads_train(head_type):
         "norm": {"norm.weight", "norm.bias"},
         "linear": {"norm.weight", "norm.bias", "adapter.weight"},
         "lowrank": {"norm.weight", "norm.bias", "adapter.0.weight", "adapter.1.weight"},
+        "layer": {"norm.weight", "norm.bias", "adapter.weight"}
+        | {f"layer.{n}" for n, _ in model.adapter.parts.layers[0].named_parameters()},
     }[head_type]
     for exit_name in ("draft", "verify"):
         assert {k.partition(".")[2] for k in state if k.startswith(exit_name + ".")} == expected
