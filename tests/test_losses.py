@@ -1,4 +1,5 @@
-"""Distillation loss (train/losses.py): KL against a reference, temperature, CE mix, chunking, padding."""
+"""Distillation loss (train/losses.py): KL against a reference, temperature, CE mix, chunking, padding; the
+top-k + bucket loss used with cached features (exact at k = V, grouped KL below, finite at tiny remainders)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import torch.nn.functional as F
 from tiny import tiny_model
 from train.losses import (
     IGNORE_INDEX,
+    bucket_log_mass,
     distill_loss,
     exit_states,
     expected_tokens_per_round,
     kl_per_token,
     next_token_labels,
+    topk_distill_loss,
 )
 
 H, V = 16, 53
@@ -144,3 +147,131 @@ def test_expected_tokens_per_round():
     assert expected_tokens_per_round(1.0, 4) == 5.0
     assert expected_tokens_per_round(0.5, 3) == pytest.approx((1 - 0.5**4) / 0.5)
     assert math.isclose(expected_tokens_per_round(0.8, 1), 1.8)
+
+
+# ---------------------------------------------------------------------------------------------------- top-k + bucket
+def _topk_teacher(project, teacher, k):
+    logp = F.log_softmax(project(teacher).float(), -1)
+    vals, ids = logp.topk(k, -1)
+    return ids, vals
+
+
+def _grouped_kl_reference(project, teacher, student, k):
+    """KL between the teacher and student distributions coarsened to {top-k tokens, everything else}, float64."""
+    p = F.softmax(project(teacher).double(), -1)
+    q = F.softmax(project(student).double(), -1)
+    ids = p.topk(k, -1).indices
+    pk, qk = p.gather(-1, ids), q.gather(-1, ids)
+    pr, qr = 1 - pk.sum(-1), 1 - qk.sum(-1)
+    return (pk * (pk.log() - qk.log())).sum(-1) + torch.where(pr > 0, pr * (pr.log() - qr.log()), 0.0)
+
+
+def test_topk_loss_is_the_full_kl_when_k_is_the_vocabulary():
+    project, teacher, students, labels = _problem()
+    ids, logp = _topk_teacher(project, teacher, V)
+    top = topk_distill_loss(project, students, ids, logp, labels, ce_weight=0.25)
+    full = distill_loss(project, teacher, students, labels, ce_weight=0.25)
+    torch.testing.assert_close(top.loss, full.loss, rtol=1e-5, atol=1e-6)
+    g_top = torch.autograd.grad(top.loss, list(students.values()))
+    g_full = torch.autograd.grad(full.loss, list(students.values()))
+    for a, b in zip(g_top, g_full):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for k in students:
+        assert top.agree[k].item() == full.agree[k].item()
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_topk_loss_is_the_grouped_kl_and_a_lower_bound(k):
+    project, teacher, students, _ = _problem()
+    ids, logp = _topk_teacher(project, teacher, k)
+    out = topk_distill_loss(project, students, ids, logp, per_token=True)
+    full = distill_loss(project, teacher, students, per_token=True)
+    for name, s in students.items():
+        ref = _grouped_kl_reference(project, teacher, s.detach(), k)
+        torch.testing.assert_close(out.kl_tokens[name].double(), ref, rtol=1e-4, atol=1e-6)
+        assert (out.kl_tokens[name] <= full.kl_tokens[name] + 1e-5).all()  # coarse-graining never adds KL
+    # agreement is with the teacher's argmax, topk_ids[:, 0]
+    arg = project(students["draft"]).argmax(-1)
+    assert out.agree["draft"].item() == pytest.approx((arg == ids[:, 0]).float().mean().item())
+
+
+@pytest.mark.parametrize("chunk", [1, 6])
+def test_topk_loss_chunked_equals_unchunked(chunk):
+    project, teacher, students, labels = _problem()
+    ids, logp = _topk_teacher(project, teacher, 8)
+    full = topk_distill_loss(project, students, ids, logp, labels, ce_weight=0.3, chunk_size=10_000)
+    g_full = torch.autograd.grad(full.loss, list(students.values()))
+    part = topk_distill_loss(project, students, ids, logp, labels, ce_weight=0.3, chunk_size=chunk)
+    g_part = torch.autograd.grad(part.loss, list(students.values()))
+    torch.testing.assert_close(part.loss, full.loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_part, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_topk_loss_finite_with_tiny_or_rounded_away_remainders():
+    project, teacher, students, _ = _problem(n=6)
+    ids = torch.stack([torch.randperm(V)[:4] for _ in range(6)])
+    # row 0: remainder 1e-30; row 1: sum of top-k rounds above 1; row 2: exactly all mass in one token
+    probs = torch.tensor([[1 - 3e-30, 1e-30, 1e-30, 1e-30 - 1e-30]] + [[0.5, 0.3, 0.2, 1e-7]]
+                         + [[1.0, 0.0, 0.0, 0.0]] + [[0.4, 0.3, 0.2, 0.05]] * 3, dtype=torch.float64)
+    logp = probs.clamp(min=1e-45).log().float()
+    log_r = bucket_log_mass(logp)
+    assert torch.isfinite(log_r[3:]).all() and not torch.isnan(log_r).any()
+    out = topk_distill_loss(project, students, ids, logp, per_token=True)
+    grads = torch.autograd.grad(out.loss, list(students.values()))
+    assert torch.isfinite(out.loss) and all(torch.isfinite(g).all() for g in grads)
+    for name in students:
+        assert (out.kl_tokens[name] > -1e-4).all()
+
+
+def test_topk_loss_checks_shapes():
+    project, teacher, students, _ = _problem()
+    ids, logp = _topk_teacher(project, teacher, 4)
+    with pytest.raises(ValueError, match="must both be"):
+        topk_distill_loss(project, students, ids, logp[:, :3])
+
+
+def test_fused_topk_kl_gradcheck_argmax_and_extreme_logits():
+    from train.losses import TopkBucketKL
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(4, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(4, 11, generator=g, dtype=torch.float64)
+    for k in (1, 3, 11):
+        logp, ids = F.log_softmax(t, -1).topk(k, -1)
+        log_r = bucket_log_mass(logp).double()
+
+        def f(x, logp=logp, ids=ids, log_r=log_r):
+            kl, log_z, _ = TopkBucketKL.apply(x, ids, logp, log_r)
+            return kl * torch.arange(1, 5, dtype=x.dtype) + 0.3 * log_z
+
+        assert torch.autograd.gradcheck(f, (s,), eps=1e-6, atol=1e-6)
+    _, _, arg = TopkBucketKL.apply(s.detach(), ids[:, :3], logp[:, :3], log_r)
+    assert torch.equal(arg, s.detach().argmax(-1))
+    # logits 1000 apart: the rest's mass underflows exp() relative to the max, the loss must stay exact
+    project, teacher, students, _ = _problem(n=5)
+    big = lambda x: 300.0 * project(x)  # noqa: E731
+    ids, logp = _topk_teacher(project, teacher, 4)
+    out = topk_distill_loss(big, students, ids, logp, per_token=True)
+    grads = torch.autograd.grad(out.loss, list(students.values()))
+    assert all(torch.isfinite(x).all() for x in grads)
+    for name, st in students.items():
+        p = F.softmax(project(teacher).double(), -1)
+        logq = F.log_softmax(big(st.detach()).double(), -1)
+        pk, lqk = p.gather(-1, ids), logq.gather(-1, ids)
+        rest = logq.scatter(-1, ids, float("-inf")).logsumexp(-1)
+        pr = 1 - pk.sum(-1)
+        ref = (pk * (pk.log() - lqk)).sum(-1) + pr * (pr.log() - rest)
+        torch.testing.assert_close(out.kl_tokens[name].double(), ref, rtol=1e-4, atol=1e-3)
+
+
+def test_topk_loss_ce_is_cross_entropy():
+    project, teacher, students, labels = _problem()
+    ids, logp = _topk_teacher(project, teacher, 6)
+    out = topk_distill_loss(project, {"draft": students["draft"]}, ids, logp, labels, ce_weight=1.0)
+    ref = F.cross_entropy(project(students["draft"]), labels, ignore_index=IGNORE_INDEX)
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    g1 = torch.autograd.grad(out.loss, students["draft"])[0]
+    g2 = torch.autograd.grad(ref, students["draft"])[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)

@@ -1,7 +1,9 @@
 """The training entry point (train/heads.py) end to end on a tiny random model, offline.
 
 In-process: outputs and their format, the loss going down, resume after a kill equal to an uninterrupted run,
-bad configurations failing before training, recipes parsing. Subprocesses through `accelerate launch`: a
+bad configurations failing before training, recipes parsing; the feature-cache path (data_only build, training
+from the cache, resume equal to a straight run), plain-text sources, self-written prompts (resumable and
+deterministic) answered in bf16 (`gen_dtype`, weights restored bit for bit). Subprocesses through `accelerate launch`: a
 DeepSpeed ZeRO-2 run on CPU (when deepspeed is installed) and a 2-process gloo run (both `slow`). One short
 `real_model` run on SmolLM2 with self-distillation.
 """
@@ -196,6 +198,12 @@ def fresh_accelerate_state_reset():
         (("--head_type", "shared"), "no trainable weights"),
         (("--text_column", "nope"), "neither messages_column 'conversations' nor text_column 'nope'"),
         (("--temperature", "0"), "temperature must be > 0"),
+        (("--self_prompts", "4"), "set self_distill: true"),
+        (("--feature_cache", "/tmp/nowhere-hispec", "--temperature", "2"), "teacher at temperature 1"),
+        (("--plain_text_loss_on", "user"), "unknown plain_text_loss_on 'user'"),
+        (("--gen_dtype", "int8"), "gen_dtype: unknown dtype 'int8'"),
+        (("--loss_dtype", "int4"), "loss_dtype: unknown dtype 'int4'"),
+        (("--self_prompts", "3", "--self_distill", "true", "--self_prompt_top_p", "0"), "self_prompt_top_p"),
     ],
 )
 def test_bad_config_fails_before_training(env, tmp_path, extra, message):
@@ -248,7 +256,8 @@ def test_yaml_gives_defaults_and_cli_wins(env, tmp_path):
 def test_recipes_parse_and_state_their_launch_command():
     from train.heads import parse_args
 
-    names = ("smollm2-135m", "llama3-8b", "llama2-7b", "codellama-7b", "qwen3-8b", "qwen2.5-7b", "mistral-7b")
+    names = ("smollm2-135m", "smollm2-135m-scale", "llama3-8b", "llama2-7b", "codellama-7b", "qwen3-8b", "qwen2.5-7b",
+             "mistral-7b")
     recipes = [REPO / "recipes" / f"{n}.yaml" for n in names]
     for r in recipes:
         first = r.read_text().splitlines()[0]
@@ -257,6 +266,198 @@ def test_recipes_parse_and_state_their_launch_command():
         assert m.model_name_or_path and (d.train_file or d.dataset_name), r
     for cfg in (REPO / "recipes" / "accelerate").glob("*.yaml"):
         assert "accelerate launch" in cfg.read_text().splitlines()[0] or "accelerate launch" in cfg.read_text()
+
+
+def test_benchmarks_are_never_training_data(env, tmp_path):
+    from train.heads import ConfigError, main
+
+    bench = tmp_path / "spec_bench_question.jsonl"
+    bench.write_text(json.dumps({"question": "q"}) + "\n")
+    for opt in ("--train_file", "--plain_text_file"):
+        with pytest.raises(ConfigError, match="evaluation benchmark"):
+            main(["--model_name_or_path", str(env / "model"), opt, str(bench), "--text_column", "question",
+                  "--output_dir", str(tmp_path / "run")])
+
+
+# ---------------------------------------------------------------------------------------------------- scale data
+@pytest.fixture(scope="module")
+def pairs_file(env):
+    """GSM8K-like {question, answer} rows for teacher-forced plain-text distillation."""
+    rng = random.Random(1)
+    path = env / "pairs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(10):
+            f.write(json.dumps({"question": " ".join(rng.choices(WORDS, k=5)),
+                                "answer": " ".join(rng.choices(WORDS, k=8))}) + "\n")
+    return path
+
+
+def _cache_argv(env, out, cache, pairs, *extra):
+    return _argv(env, out, "--plain_text_file", str(pairs), "--plain_text_loss_on", "assistant",
+                 "--feature_cache", str(cache), "--feature_cache_k", "8", "--feature_cache_shard_tokens", "200",
+                 "--draft_layer", "2", "--verify_layer", "4", *extra)
+
+
+def test_feature_cache_data_only_then_training(env, pairs_file, tmp_path, capsys):
+    from train.features import open_feature_cache
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    assert _run(_cache_argv(env, out, cache, pairs_file, "--data_only", "true")) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["data_only"] and summary["sources"]["plain_text_rows"] == 10
+    assert not (out / "hispec_heads.safetensors").exists()
+    train_m, eval_m = open_feature_cache(cache / "train"), open_feature_cache(cache / "eval")
+    assert train_m["layers"] == [2, 4] and train_m["k"] == 8 and len(train_m["shards"]) > 1
+    assert train_m["num_sequences"] == summary["train_sequences"] == 27 + 10
+    assert train_m["num_loss_tokens"] < train_m["num_tokens"]  # plain-text chats: assistant replies only
+    assert eval_m["num_sequences"] == 3 and eval_m["num_loss_tokens"] == eval_m["num_tokens"]
+
+    assert _run(_cache_argv(env, out, cache, pairs_file, "--max_steps", "12", "--learning_rate", "1e-2",
+                            "--eval_steps", "6")) == 0
+    assert open_feature_cache(cache / "train")["build_seconds"] == train_m["build_seconds"]  # reused, not rebuilt
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [h["step"] for h in metrics["history"]] == [0, 6, 12]
+    first, last = metrics["history"][0], metrics["final"]
+    assert last["teacher"] == "feature cache: top-k + bucket" and last["eval_tokens"] == eval_m["num_tokens"]
+    for k in ("draft", "verify"):
+        assert last[k]["kl"] < 0.8 * first[k]["kl"]
+        assert 0 <= last[k]["top1_agreement"] <= 1
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["data"]["feature_cache"]["train_tokens"] == train_m["num_tokens"]
+    assert info["data"]["sources"]["plain_text_sequences"] == 10
+
+
+def test_training_from_a_full_vocabulary_fp32_cache_equals_training_on_the_fly(env, pairs_file, tmp_path):
+    """k = V and fp32 hidden states: the cached path must reproduce the backbone-on-the-fly path (same loss
+    tokens, same KL, same heads up to float rounding), which checks features, masks, labels and the loss."""
+    common = ("--plain_text_file", str(pairs_file), "--plain_text_loss_on", "assistant", "--max_steps", "6",
+              "--eval_steps", "3", "--learning_rate", "1e-2", "--ce_weight", "0.3", "--draft_layer", "2",
+              "--verify_layer", "4")
+    assert _run(_argv(env, tmp_path / "fly", *common)) == 0
+    assert _run(_argv(env, tmp_path / "cached", *common, "--feature_cache", str(tmp_path / "cache"),
+                      "--feature_cache_k", "97", "--feature_cache_dtype", "fp32")) == 0
+    fly = json.loads((tmp_path / "fly" / "metrics.json").read_text())
+    cached = json.loads((tmp_path / "cached" / "metrics.json").read_text())
+    for a, b in zip(fly["history"], cached["history"]):
+        assert a["eval_tokens"] == b["eval_tokens"]
+        for k in ("draft", "verify", "draft_verify"):
+            assert a[k]["top1_agreement"] == b[k]["top1_agreement"]
+        for k in ("draft", "verify"):
+            assert a[k]["kl"] == pytest.approx(b[k]["kl"], rel=1e-4)
+    ha, hb = _heads(tmp_path / "fly"), _heads(tmp_path / "cached")
+    for k in ha:
+        torch.testing.assert_close(ha[k], hb[k], rtol=1e-3, atol=1e-5)
+
+
+def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):
+    import train.heads as th
+
+    cache = tmp_path / "cache"  # built by the first run, reused by the others
+    common = ("--max_steps", "7", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
+              "--eval_steps", "3", "--learning_rate", "1e-2", "--ce_weight", "0.2", "--loss_dtype", "bf16")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert _run(_cache_argv(env, straight, cache, pairs_file, *common)) == 0
+
+    def kill_after_3(step):
+        if step == 3:
+            raise _Killed
+
+    monkeypatch.setattr(th, "_step_hook", kill_after_3)
+    with pytest.raises(_Killed):
+        _run(_cache_argv(env, killed, cache, pairs_file, *common))
+    monkeypatch.undo()
+    assert _run(_cache_argv(env, killed, cache, pairs_file, *common, "--resume_from_checkpoint", "latest")) == 0
+    a, b = _heads(straight), _heads(killed)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    ma = json.loads((straight / "metrics.json").read_text())
+    mb = json.loads((killed / "metrics.json").read_text())
+    assert mb["final"] == ma["final"] and [h["step"] for h in mb["history"]] == [0, 3, 6, 7]
+
+
+def test_feature_cache_of_other_data_is_refused(env, pairs_file, tmp_path):
+    from train.heads import ConfigError
+
+    cache = tmp_path / "cache"
+    assert _run(_cache_argv(env, tmp_path / "a", cache, pairs_file, "--data_only", "true")) == 0
+    with pytest.raises(ConfigError, match="does not fit this run"):
+        _run(_cache_argv(env, tmp_path / "b", cache, pairs_file, "--data_only", "true", "--max_seq_length", "40"))
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    """The tiny llama without the sharpened lm_head: it samples varied text that often stops (self prompts)."""
+    from tiny import tiny_model
+
+    root = tmp_path_factory.mktemp("plain_model")
+    model = tiny_model("llama")
+    model.config.eos_token_id = model.config.pad_token_id = 1
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 1
+    model.save_pretrained(root)
+    char_tokenizer().save_pretrained(root)
+    return root
+
+
+def test_generation_dtype_restores_the_weights_bit_for_bit():
+    from tiny import tiny_model
+    from train.generate_data import generation_dtype
+
+    model = tiny_model("llama")
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.named_parameters()}
+    with generation_dtype(model, "bf16"):
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False, pad_token_id=1)
+    for k, v in model.named_parameters():
+        assert v.dtype == torch.float32 and v.data_ptr() == before[k][0] and torch.equal(v, before[k][1])
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied here; tied models share one
+
+
+def _sp_args(**kw):
+    from train.self_prompts import SelfPromptArguments
+
+    return SelfPromptArguments(**{"self_prompt_batch_size": 4, "self_prompt_max_new_tokens": 32, **kw})
+
+
+def test_self_prompts_are_deterministic_and_resume_after_a_torn_batch(plain_model, tmp_path):
+    from hispec.model import load_base_model
+    from train.self_prompts import SelfPromptError, generate_self_prompts, read_self_prompts
+
+    model, tok = load_base_model(str(plain_model)), char_tokenizer()
+    a, b = tmp_path / "a", tmp_path / "b"
+    generate_self_prompts(model, tok, 6, a, _sp_args(), seed=3, show_progress=False)
+    got = read_self_prompts(a, 6)
+    assert len(got) == 6 and len({p["id"] for p in got}) == 6
+    assert all(p["messages"][0]["role"] == "user" and p["messages"][0]["content"] for p in got)
+    lines = (a / "candidates.jsonl").read_text().splitlines()
+    assert len(lines) >= 8  # at least two batches, so a torn one can be cut off below
+    b.mkdir()
+    (b / "settings.json").write_text((a / "settings.json").read_text())
+    (b / "candidates.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])  # batch 1 torn in row 0
+    assert len(read_self_prompts(b)) < 6
+    generate_self_prompts(model, tok, 6, b, _sp_args(), seed=3, show_progress=False)
+    assert read_self_prompts(b, 6) == got
+    redone = (b / "candidates.jsonl").read_text().splitlines()
+    assert redone[4] == lines[4][:20] and redone[5:] == lines[4 : 4 + len(redone) - 5]  # the redo starts afresh
+    assert generate_self_prompts(model, tok, 6, b, _sp_args(), seed=3, show_progress=False) == 0  # nothing to do
+    with pytest.raises(SelfPromptError, match="other settings"):
+        generate_self_prompts(model, tok, 6, b, _sp_args(self_prompt_temperature=0.5), seed=3, show_progress=False)
+
+
+def test_self_written_prompts_answered_in_bf16_and_trained_on(plain_model, tmp_path):
+    from train.data import prompt_id
+
+    out = tmp_path / "run"
+    assert _run(["--model_name_or_path", str(plain_model), "--self_prompts", "8", "--self_distill", "true",
+                 "--self_prompt_batch_size", "4", "--self_prompt_max_new_tokens", "32", "--gen_dtype", "bf16",
+                 "--gen_max_new_tokens", "6", "--gen_batch_size", "4", "--eval_fraction", "0.25",
+                 "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                 "--max_seq_length", "64"]) == 0
+    prompts = [json.loads(x) for x in (out / "self_prompts" / "candidates.jsonl").read_text().splitlines()]
+    answers = [json.loads(x) for x in (out / "self_distill" / "part-rank0.jsonl").read_text().splitlines()]
+    kept = {prompt_id([{"role": "user", "content": p["text"]}]) for p in prompts if not p["reject"]}
+    assert len(answers) == 8 and {r["id"] for r in answers} <= kept
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["data"]["sources"]["self_prompts"] == 8
+    assert info["data"]["train_examples"] == 6 and info["data"]["eval_examples"] == 2
 
 
 # ---------------------------------------------------------------------------------------------------- launched
@@ -296,6 +497,25 @@ def test_two_process_gloo_run(env, tmp_path):
     assert (out / "hispec_heads.safetensors").exists()
 
 
+@pytest.mark.slow
+def test_two_process_gloo_feature_cache(env, pairs_file, tmp_path):
+    """Two processes build the cache's shards between them (rank = shard % 2), one writes the manifest, both
+    train from it."""
+    out, cache = tmp_path / "mp", tmp_path / "cache"
+    res = _launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "train/heads.py",
+                   *_cache_argv(env, out, cache, pairs_file, "--max_steps", "3")],
+                  env_extra={"ACCELERATE_USE_CPU": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    manifest = json.loads((cache / "train" / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 1 and manifest["num_sequences"] == 37
+    info = json.loads((out / "hispec_train.json").read_text())
+    assert info["data"]["world_size"] == 2 and (out / "hispec_heads.safetensors").exists()
+    eval_manifest = json.loads((cache / "eval" / "manifest.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["final"]["eval_tokens"] == eval_manifest["num_loss_tokens"]  # gathered over both ranks
+
+
 # ---------------------------------------------------------------------------------------------------- real model
 @pytest.mark.real_model
 def test_smollm2_self_distill_smoke(demo_model_dir, tmp_path):
@@ -315,3 +535,20 @@ def test_smollm2_self_distill_smoke(demo_model_dir, tmp_path):
     assert info["hispec"]["exits"] == {"draft": 4, "verify": 8}  # round(30/8), round(30/4)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["final"]["draft"]["top1_agreement"] >= 0
+
+
+@pytest.mark.real_model
+def test_smollm2_writes_its_own_prompts(demo_model_dir, tmp_path):
+    """SmolLM2 in bf16 writes instructions that end at <|im_end|>; the prefix stops where the user content starts."""
+    from hispec.model import load_base_model, load_tokenizer
+    from train.self_prompts import chat_prefix, generate_self_prompts, read_self_prompts, stop_token_ids
+
+    model, tok = load_base_model(str(demo_model_dir)), load_tokenizer(str(demo_model_dir))
+    assert chat_prefix(tok).endswith("<|im_end|>\n<|im_start|>user\n")
+    assert chat_prefix(tok).startswith("<|im_start|>system\n")
+    assert stop_token_ids(tok, model) == [tok.convert_tokens_to_ids("<|im_end|>")]
+    generate_self_prompts(model, tok, 6, tmp_path, _sp_args(self_prompt_batch_size=8, self_prompt_max_new_tokens=64),
+                          seed=0, gen_dtype="bf16", show_progress=False)
+    prompts = read_self_prompts(tmp_path, 6)
+    assert len(prompts) == 6 and all(len(p["messages"][0]["content"].split()) >= 4 for p in prompts)
+    assert next(model.parameters()).dtype == torch.float32

@@ -6,13 +6,27 @@ Contract:
   plain text) and `text` (plain text; "" for chats). A file is read through whichever of `messages_column`
   (chats: {role, content} or ShareGPT {from, value} turns, or alternating strings) and `text_column` it has; a
   file with neither fails with the columns it does have. Held-out rows come from `eval_file` or a seeded
-  `eval_fraction` split. Empty results fail before any training.
+  `eval_fraction` split. Empty results fail before any training. With `require_train=False` and no training
+  source at all it returns `(None, eval rows or None)` (a run whose data is only self-written prompts or text).
+- `load_plain_text(cfg, seed)` reads `cfg.plain_text_file` for teacher-forced distillation (every position of the
+  text is a training signal, nothing is generated): a `messages_column` chat keeps ALL its turns; a
+  `text_column` row that also has `plain_text_answer_column` (GSM8K: question + reference answer) becomes a
+  user + assistant chat; otherwise the text (a .txt file's `text` column too) is taken as is. At most
+  `plain_text_max_samples_per_file` rows per file (seeded choice). Same {messages, text} rows, training only.
+- `drop_overlap(rows, held_out)` removes rows whose first user turn (or text) equals a held-out prompt's, after
+  normalising case and whitespace: the same file may feed both prompts and plain text, and held-out prompts must
+  never be trained on.
 - `prompt_of(row)` gives the chat a model should answer for self-distillation (a text row becomes one user turn;
   a trailing assistant turn is dropped so the model writes its own).
-- `tokenize(ds, tokenizer, max_seq_length, packing)`: chats are rendered with the tokenizer's chat template
-  (a plain "role: content" layout when it has none), text is tokenized as is; then truncation (padding mode) or
-  packing into `max_seq_length` blocks. Rows keep `input_ids` only.
-- `PadCollator(pad_id)`: right-pads a batch -> `input_ids`, `attention_mask` (`[B, T]` long).
+- `tokenize(ds, tokenizer, max_seq_length, packing, loss_on="all")`: chats are rendered with the tokenizer's chat
+  template (a plain "role: content" layout when it has none), text is tokenized as is; then truncation (padding
+  mode) or packing into `max_seq_length` blocks. Rows get `input_ids` and `loss_mask` (bool per position: does
+  this position's next-token distribution train the heads). `loss_on="all"`: every position (what self-distilled
+  answers always use). `loss_on="assistant"`: in chats only the positions that predict an assistant reply's
+  tokens and the token closing it (the reply is located in the rendered text; needs a fast tokenizer); plain text
+  rows keep every position. Rows with fewer than 2 tokens or no loss position are dropped.
+- `PadCollator(pad_id)`: right-pads a batch -> `input_ids`, `attention_mask` (`[B, T]` long) and, when the rows
+  have one, `loss_mask` (`[B, T]` bool, False on padding).
 - `EpochSampler(n, seed)`: a random order fixed by (seed, epoch) and nothing else, so a resumed run sees the same
   order; `set_epoch(e)` chooses the epoch.
 """
@@ -34,6 +48,7 @@ logger = logging.getLogger(__name__)
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
          "model": "assistant", "chatgpt": "assistant", "system": "system"}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+LOSS_ON = ("all", "assistant")
 
 
 class DataError(ValueError):
@@ -115,13 +130,18 @@ def _concat(parts):
     return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 
-def load_examples(cfg, seed: int):
+def load_examples(cfg, seed: int, require_train: bool = True):
     """-> (train, eval) Datasets of {messages, text}; see the module docstring."""
     sources = [(expand_path(f), False) for f in cfg.train_file]
     if cfg.dataset_name:
         sources.append((cfg.dataset_name, True))
     if not sources:
-        raise DataError("no training data: give --train_file (json/jsonl/parquet/txt) and/or --dataset_name")
+        if require_train:
+            raise DataError("no training data: give --train_file (json/jsonl/parquet/txt) and/or --dataset_name")
+        ev = _concat([_load_one(expand_path(f), cfg) for f in cfg.eval_file]) if cfg.eval_file else None
+        if ev is not None and cfg.max_eval_samples and len(ev) > cfg.max_eval_samples:
+            ev = ev.select(range(cfg.max_eval_samples))
+        return None, ev
     parts = [_load_one(s, cfg, hub=h) for s, h in sources]
     train = _concat(parts).shuffle(seed=seed)
     if len(train) == 0:
@@ -141,6 +161,69 @@ def load_examples(cfg, seed: int):
     if ev is not None and cfg.max_eval_samples and len(ev) > cfg.max_eval_samples:
         ev = ev.select(range(cfg.max_eval_samples))
     return train, ev
+
+
+def _load_plain_one(source: str, cfg):
+    from datasets import load_dataset
+
+    if not Path(source).exists():
+        raise DataError(f"plain-text file {source} does not exist")
+    ds = load_dataset(builder_for(source), data_files=source, split="train")
+    cols = ds.column_names
+    answer_col = getattr(cfg, "plain_text_answer_column", None)
+    if cfg.messages_column in cols:
+        col, kind = cfg.messages_column, "messages"
+    elif cfg.text_column in cols:
+        col, kind = cfg.text_column, ("pair" if answer_col and answer_col in cols else "text")
+    elif "text" in cols:
+        col, kind = "text", "text"
+    else:
+        raise DataError(
+            f"plain-text file {source} has neither messages_column '{cfg.messages_column}' nor text_column "
+            f"'{cfg.text_column}' (nor 'text'); its columns are {cols}. Set --messages_column or --text_column."
+        )
+
+    def convert(row):
+        if kind == "messages":
+            return {"messages": normalize_messages(row[col], where=source), "text": ""}
+        if kind == "pair" and row[answer_col] is not None and str(row[answer_col]).strip():
+            return {"messages": [{"role": "user", "content": str(row[col] or "")},
+                                 {"role": "assistant", "content": str(row[answer_col])}], "text": ""}
+        return {"messages": [], "text": str(row[col] or "")}
+
+    ds = ds.map(convert, remove_columns=cols, desc=f"reading {Path(source).name}")
+    ds = ds.filter(lambda r: any(m["content"].strip() for m in r["messages"]) or bool(r["text"].strip()))
+    cap = getattr(cfg, "plain_text_max_samples_per_file", None)
+    if cap and len(ds) > cap:
+        ds = ds.shuffle(seed=0).select(range(cap))
+    return ds
+
+
+def load_plain_text(cfg, seed: int):
+    """`cfg.plain_text_file` -> one shuffled Dataset of {messages, text} (see the module docstring); None if none."""
+    files = list(getattr(cfg, "plain_text_file", None) or [])
+    if not files:
+        return None
+    ds = _concat([_load_plain_one(expand_path(f), cfg) for f in files]).shuffle(seed=seed)
+    if len(ds) == 0:
+        raise DataError(f"the plain-text data is empty (files: {files})")
+    return ds
+
+
+def _first_user_text(row: dict) -> str:
+    for m in row["messages"] or []:
+        if m["role"] == "user":
+            return " ".join(m["content"].lower().split())
+    return " ".join((row["text"] or "").lower().split())
+
+
+def drop_overlap(rows, held_out):
+    """`rows` without those whose first user turn / text is a prompt of `held_out` (see the module docstring)."""
+    if rows is None or held_out is None or len(held_out) == 0:
+        return rows
+    keys = {_first_user_text(r) for r in held_out}
+    keys.discard("")
+    return rows.filter(lambda r: _first_user_text(r) not in keys, desc="dropping held-out prompts")
 
 
 def prompt_of(row: dict) -> list[dict]:
@@ -164,35 +247,80 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     return text + ("assistant: " if add_generation_prompt else "")
 
 
-def tokenize(ds, tokenizer, max_seq_length: int, packing: bool = False, desc: str = "tokenizing"):
-    """{messages, text} rows -> {input_ids} rows (truncated, or packed into max_seq_length blocks)."""
+def assistant_loss_mask(rendered: str, messages: list[dict], offsets) -> list[bool]:
+    """Loss positions of the assistant replies in a rendered chat (see `tokenize(loss_on="assistant")`).
+
+    `offsets`: the `(start, end)` character span of each token of `rendered`. Every turn's content is located in
+    order in the rendered text (so a reply equal to an earlier user turn is not mistaken for it); a turn that
+    cannot be found (a template that rewrites content) gives an all-False mask, and the row is dropped.
+    """
+    spans, cursor = [], 0
+    for m in messages:
+        body = m["content"].strip()
+        if not body:
+            continue
+        at = rendered.find(body, cursor)
+        if at < 0:
+            return [False] * len(offsets)
+        if m["role"] == "assistant":
+            spans.append((at, at + len(body)))
+        cursor = at + len(body)
+    mask = [False] * len(offsets)
+    for a, b in spans:
+        toks = [j for j, (s, e) in enumerate(offsets) if s < b and e > a]
+        if not toks:
+            continue
+        for t in range(max(toks[0] - 1, 0), toks[-1] + 1):  # predict each reply token and the closing token
+            mask[t] = True
+    return mask
+
+
+def tokenize(ds, tokenizer, max_seq_length: int, packing: bool = False, desc: str = "tokenizing",
+             loss_on: str = "all"):
+    """{messages, text} rows -> {input_ids, loss_mask} rows (truncated, or packed into max_seq_length blocks)."""
     if max_seq_length < 2:
         raise DataError(f"max_seq_length must be >= 2, got {max_seq_length}")
+    if loss_on not in LOSS_ON:
+        raise DataError(f"unknown loss_on '{loss_on}'; choose one of {', '.join(LOSS_ON)}")
+    if loss_on == "assistant" and not getattr(tokenizer, "is_fast", False):
+        raise DataError("loss on assistant turns only needs a fast tokenizer (character offsets); use loss_on all")
     eos = tokenizer.eos_token_id
 
     def encode(batch):
-        ids = []
+        ids, masks = [], []
         for msgs, text in zip(batch["messages"], batch["text"]):
             if msgs:
-                ids.append(tokenizer(render_chat(tokenizer, msgs), add_special_tokens=False)["input_ids"])
+                rendered = render_chat(tokenizer, msgs)
+                if loss_on == "assistant":
+                    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
+                    ids.append(enc["input_ids"])
+                    masks.append(assistant_loss_mask(rendered, msgs, enc["offset_mapping"]))
+                    continue
+                ids.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
             else:
                 ids.append(tokenizer(text, add_special_tokens=True)["input_ids"])
+            masks.append([True] * len(ids[-1]))
         if not packing:
-            return {"input_ids": [x[:max_seq_length] for x in ids]}
-        flat = []
-        for x in ids:
-            flat.extend(x + ([eos] if eos is not None and (not x or x[-1] != eos) else []))
+            return {"input_ids": [x[:max_seq_length] for x in ids],
+                    "loss_mask": [m[:max_seq_length] for m in masks]}
+        flat, flat_mask = [], []
+        for x, m in zip(ids, masks):
+            extra = eos is not None and (not x or x[-1] != eos)
+            flat.extend(x + ([eos] if extra else []))
+            flat_mask.extend(m + ([loss_on == "all"] if extra else []))
         n = len(flat) // max_seq_length * max_seq_length
-        return {"input_ids": [flat[i : i + max_seq_length] for i in range(0, n, max_seq_length)]}
+        return {"input_ids": [flat[i : i + max_seq_length] for i in range(0, n, max_seq_length)],
+                "loss_mask": [flat_mask[i : i + max_seq_length] for i in range(0, n, max_seq_length)]}
 
     out = ds.map(encode, batched=True, batch_size=1000 if packing else 256, remove_columns=ds.column_names,
                  desc=desc)
-    return out.filter(lambda r: len(r["input_ids"]) >= 2)
+    return out.filter(lambda r: len(r["input_ids"]) >= 2 and any(r["loss_mask"]))
 
 
 @dataclass
 class PadCollator:
-    """Right padding: list of {input_ids} -> {input_ids [B, T], attention_mask [B, T]} (long tensors)."""
+    """Right padding: list of {input_ids[, loss_mask]} -> {input_ids [B, T], attention_mask [B, T]} (long
+    tensors) and `loss_mask` [B, T] (bool, False on padding) when the rows carry one."""
 
     pad_id: int = 0
 
@@ -200,11 +328,18 @@ class PadCollator:
         T = max(len(r["input_ids"]) for r in rows)
         ids = torch.full((len(rows), T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), T), dtype=torch.long)
+        with_loss = "loss_mask" in rows[0]
+        loss = torch.zeros((len(rows), T), dtype=torch.bool)
         for i, r in enumerate(rows):
             n = len(r["input_ids"])
             ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
             mask[i, :n] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+            if with_loss:
+                loss[i, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.bool)
+        out = {"input_ids": ids, "attention_mask": mask}
+        if with_loss:
+            out["loss_mask"] = loss
+        return out
 
 
 class EpochSampler(Sampler[int]):

@@ -9,16 +9,30 @@ line wins. `python train/heads.py --help` lists every field. The same entry poin
 processes (gloo), DDP and DeepSpeed ZeRO-2/3: choose an `accelerate` config from recipes/accelerate/.
 
 What it does: loads the base model (Hub id, folder or .gguf; a LoRA adapter is merged first), freezes it and adds
-two heads (`draft_layer`, `verify_layer`). Optionally the model first answers the training prompts itself
-(`self_distill`, resumable, see train/generate_data.py). Each step runs the backbone once without grad, giving the
-hidden states at both exits and the final features; both heads learn forward KL(p_final || p_exit) in one
-pass (train/losses.py, chunked over tokens). Only the heads go through `accelerator.prepare` (the backbone is
-replicated, never sharded). Every `checkpointing_steps` the accelerate state is saved under
-`output_dir/checkpoints/step_N` (written to a temporary name, then renamed); `--resume_from_checkpoint latest`
-continues with the same data order and step and ends with the same heads as an uninterrupted run. At the end
-`output_dir` holds `hispec_heads.safetensors` (keys as `EarlyExitModel.heads_state_dict()`, fp32),
-`hispec_train.json` (hispec config, base identity, arguments, data sizes) and `metrics.json` (per exit top-1
-agreement with the final layer and expected tokens per verification round, before/during/after training).
+two heads (`draft_layer`, `verify_layer`). Data, all optional and mixed (train/data.py):
+- prompts from files / a Hub dataset (`train_file`, `dataset_name`), plus `self_prompts: N` instructions the
+  model writes itself (train/self_prompts.py, resumable); with `self_distill` the model answers all of them
+  (train/generate_data.py, resumable, `gen_dtype: bf16` to generate in bf16) and the heads train on its answers;
+- `plain_text_file`: text distilled teacher-forced, nothing generated (whole chats, question + reference answer,
+  .txt / .jsonl text); `plain_text_loss_on: assistant` limits the loss to assistant replies.
+Without a feature cache each step runs the backbone once without grad, giving the hidden states at both exits and
+the final features; both heads learn forward KL(p_final || p_exit) in one pass (train/losses.py, chunked over
+tokens). With `feature_cache: DIR` the backbone runs ONCE over the tokenized training and held-out sequences and
+writes their exit hidden states and the final layer's top-k next-token distribution to DIR/train and DIR/eval
+(train/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
+those instead of running the backbone and learn the "top-k + bucket" KL (`topk_distill_loss`, temperature 1),
+so heads train many epochs cheaply (`feature_cache_backbone_dtype` / `loss_dtype: bf16` make the cache and the
+steps ~2x cheaper on CPU). `data_only: true` stops once the data (and cache) are ready. Only the heads go through
+`accelerator.prepare` (the backbone is replicated, never sharded). Every `checkpointing_steps` the accelerate
+state is saved under `output_dir/checkpoints/step_N` (written to a temporary name, then renamed);
+`--resume_from_checkpoint latest` continues with the same data order and step and ends with the same heads as an
+uninterrupted run (with or without a cache). Several CPU processes (gloo) get accelerate's MULTI_CPU mode, so
+barriers, gathers and DDP gradient sync are real (without `cpu=True` accelerate silently ran them as independent
+single processes); they split answer generation and cache shards between them. At the end `output_dir` holds
+`hispec_heads.safetensors` (keys as `EarlyExitModel.heads_state_dict()`, fp32), `hispec_train.json` (hispec
+config, base identity, arguments, data sizes and sources) and `metrics.json` (per exit top-1
+agreement with the final layer's argmax and expected tokens per verification round, before/during/after
+training; held-out tokens are those of the loss mask; with a cache the reported KL is the top-k + bucket KL).
 
 Contract: `main(argv=None) -> int`; importing this module does nothing. Bad configurations raise `ConfigError`
 (a `ValueError`) before any training; as a script they print `error: ...` and exit 2.
@@ -39,6 +53,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `train` and `hispec` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from train.self_prompts import SelfPromptArguments  # noqa: E402  (dataclasses only; no torch at import)
+
 logger = logging.getLogger("hispec.train")
 
 HEADS_FILE = "hispec_heads.safetensors"
@@ -48,6 +64,8 @@ STATE_FILE = "hispec_state.json"
 CHECKPOINTS = "checkpoints"
 TRAINABLE_HEADS = ("norm", "linear", "lowrank")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# Benchmarks this project evaluates on: never training data (design.md §8).
+EVAL_ONLY_FILES = ("spec_bench_question.jsonl", "mt_bench_question.jsonl")
 
 
 class ConfigError(ValueError):
@@ -79,7 +97,7 @@ class ModelArguments:
 
 
 @dataclass
-class DataArguments:
+class DataArguments(SelfPromptArguments):
     train_file: list[str] = field(
         default_factory=list, metadata={"help": "Local training files (json, jsonl, parquet, txt); several allowed."}
     )
@@ -112,6 +130,37 @@ class DataArguments:
     self_distill_dir: str | None = field(
         default=None, metadata={"help": "Where answers are written/reused (default output_dir/self_distill)."}
     )
+    plain_text_file: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Files distilled teacher-forced on every position, nothing generated: chats (all turns), "
+                          "text_column + plain_text_answer_column pairs, plain text (json/jsonl/parquet/txt)."},
+    )
+    plain_text_loss_on: str = field(
+        default="all", metadata={"help": "Plain-text loss positions: all, or assistant (chat replies only)."}
+    )
+    plain_text_answer_column: str | None = field(
+        default="answer",
+        metadata={"help": "Plain text: a column that, next to text_column, makes a user + assistant chat."},
+    )
+    plain_text_max_samples_per_file: int | None = field(
+        default=None, metadata={"help": "Keep at most this many rows of each plain-text file."}
+    )
+    feature_cache: str | None = field(
+        default=None,
+        metadata={"help": "Folder of cached backbone features (built first if missing; train from it): exit hidden "
+                          "states + the final layer's top-k distribution, see train/features.py."},
+    )
+    feature_cache_k: int = field(default=64, metadata={"help": "Teacher tokens kept per position in the cache."})
+    feature_cache_dtype: str = field(default="bf16", metadata={"help": "Dtype of cached hidden states: bf16 or fp32."})
+    feature_cache_backbone_dtype: str = field(
+        default="auto",
+        metadata={"help": "Dtype the backbone runs in while building the cache: auto (as loaded), fp32, bf16, fp16 "
+                          "(bf16: ~2.5x faster on this CPU; the teacher is then the bf16 model's)."},
+    )
+    feature_cache_shard_tokens: int = field(default=65536, metadata={"help": "Tokens per cache shard file."})
+    feature_cache_batch_tokens: int = field(
+        default=4096, metadata={"help": "Padded tokens per backbone pass while building the cache."}
+    )
 
 
 def _gen_fields():
@@ -143,6 +192,11 @@ class TrainArguments:
     loss_chunk_size: int = field(
         default=0, metadata={"help": "Tokens per logits chunk in the loss (0 = auto: <= 32M logits)."}
     )
+    loss_dtype: str = field(
+        default="auto",
+        metadata={"help": "Dtype of the frozen lm_head matmuls in the loss: auto (the backbone's), fp32, bf16, fp16; "
+                          "softmax and KL stay fp32 (bf16: ~2x faster steps on this CPU)."},
+    )
     seed: int = field(default=42, metadata={"help": "Seed of data order, head init and sampling."})
     checkpointing_steps: int = field(
         default=0, metadata={"help": "Save the training state every N optimizer steps (0 = never)."}
@@ -163,6 +217,9 @@ class TrainArguments:
     )
     window: int = field(default=4, metadata={"help": "Decoding window N_i recorded in the saved hispec config."})
     logging_steps: int = field(default=10, metadata={"help": "Log to the trackers every N optimizer steps."})
+    data_only: bool = field(
+        default=False, metadata={"help": "Prepare the data (prompts, answers, feature cache), then exit untrained."}
+    )
     report_to: str = field(
         default="none", metadata={"help": "accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."}
     )
@@ -198,7 +255,7 @@ def parse_args(argv=None):
         unknown = sorted(set(recipe) - names)
         if unknown:
             raise ConfigError(f"recipe {known.config}: unknown field(s) {unknown}; see `train/heads.py --help`")
-        for key in ("train_file", "eval_file"):
+        for key in ("train_file", "eval_file", "plain_text_file"):
             if isinstance(recipe.get(key), str):
                 recipe[key] = [recipe[key]]
         parser.set_defaults(**recipe)
@@ -267,7 +324,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     _atomic_write_bytes(path, w)
 
 
-def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments) -> None:
+def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=None) -> None:
     """Checks that need no model: raise ConfigError with what to change."""
     from hispec.heads import HEAD_TYPES
 
@@ -279,11 +336,13 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments) -> N
         raise ConfigError(
             f"head type '{m.head_type}' has no trainable weights; choose one of {', '.join(TRAINABLE_HEADS)}"
         )
-    if not d.train_file and not d.dataset_name:
-        raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt) and/or --dataset_name")
-    from train.data import DataError, builder_for, expand_path
+    if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
+        raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt), --dataset_name, "
+                          "--self_prompts N and/or --plain_text_file")
+    from train.data import LOSS_ON, DataError, builder_for, expand_path
+    from train.self_prompts import SelfPromptError, validate_args
 
-    for f in [*d.train_file, *d.eval_file]:
+    for f in [*d.train_file, *d.eval_file, *d.plain_text_file]:
         p = expand_path(f)
         if not Path(p).is_file():
             raise ConfigError(f"data file {f} does not exist")
@@ -291,6 +350,47 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments) -> N
             builder_for(p)
         except DataError as e:
             raise ConfigError(str(e)) from e
+    for f in [*d.train_file, *d.plain_text_file]:
+        if Path(f).name in EVAL_ONLY_FILES:
+            raise ConfigError(f"{f} is an evaluation benchmark (Spec-Bench / MT-Bench); never train on it")
+    try:
+        validate_args(d)
+    except SelfPromptError as e:
+        raise ConfigError(str(e)) from e
+    if d.self_prompts and not d.self_distill:
+        raise ConfigError("self_prompts are instructions for the model to answer: set self_distill: true")
+    if d.self_distill and not (d.train_file or d.dataset_name or d.self_prompts):
+        raise ConfigError("self_distill needs prompts: give --train_file, --dataset_name or --self_prompts N")
+    if d.plain_text_loss_on not in LOSS_ON:
+        raise ConfigError(f"unknown plain_text_loss_on '{d.plain_text_loss_on}'; choose one of {', '.join(LOSS_ON)}")
+    from train.generate_data import parse_gen_dtype
+
+    if g is not None:
+        try:
+            parse_gen_dtype(g.gen_dtype)
+        except ValueError as e:
+            raise ConfigError(f"gen_dtype: {e}") from e
+    try:
+        parse_gen_dtype(t.loss_dtype)
+    except ValueError as e:
+        raise ConfigError(f"loss_dtype: {e}") from e
+    if d.feature_cache:
+        from train.features import HIDDEN_DTYPES
+
+        if t.temperature != 1.0:
+            raise ConfigError(f"the feature cache stores the teacher at temperature 1; set temperature: 1.0 "
+                              f"(got {t.temperature}) or train without feature_cache")
+        if d.feature_cache_k < 1:
+            raise ConfigError(f"feature_cache_k must be >= 1, got {d.feature_cache_k}")
+        if d.feature_cache_dtype not in HIDDEN_DTYPES:
+            raise ConfigError(f"unknown feature_cache_dtype '{d.feature_cache_dtype}'; choose bf16, fp16 or fp32")
+        try:
+            parse_gen_dtype(d.feature_cache_backbone_dtype)
+        except ValueError as e:
+            raise ConfigError(f"feature_cache_backbone_dtype: {e}") from e
+        for name in ("feature_cache_shard_tokens", "feature_cache_batch_tokens"):
+            if getattr(d, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(d, name)}")
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"eval_fraction must be in [0, 1), got {d.eval_fraction}")
     if d.max_seq_length < 2:
@@ -398,14 +498,15 @@ def _step_hook(step: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------- steps
 def _batch_inputs(batch, adapter, exits, param_dtype):
-    """Backbone pass -> flattened valid-token exit states, teacher features and next-token labels."""
+    """Backbone pass -> exit states, teacher features and next-token labels of the loss tokens (valid tokens
+    inside the batch's `loss_mask` when it has one), flattened; and the batch row of each."""
     from hispec.layers import positions_from_mask
     from train.losses import exit_states, next_token_labels
 
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     pos = positions_from_mask(mask)
     states, final = exit_states(adapter, ids, pos, mask, exits)
-    flat = mask.reshape(-1)
+    flat = (mask & batch["loss_mask"].bool() if "loss_mask" in batch else mask).reshape(-1)
     hidden = {name: states[layer].reshape(-1, states[layer].shape[-1])[flat].to(param_dtype)
               for name, layer in zip(("draft", "verify"), exits)}
     teacher = final.reshape(-1, final.shape[-1])[flat]
@@ -414,36 +515,83 @@ def _batch_inputs(batch, adapter, exits, param_dtype):
     return hidden, teacher, labels, row
 
 
+def _cached_inputs(batch, exits, param_dtype):
+    """A `train.features.CachedCollator` batch -> loss-token exit states, teacher top-k ids / log-probs, labels and
+    the batch row of each token."""
+    sel = batch["loss_mask"].bool()
+    hidden = {name: batch[f"hidden.{layer}"][sel].to(param_dtype) for name, layer in zip(("draft", "verify"), exits)}
+    return (hidden, batch["teacher_topk_ids"][sel], batch["teacher_topk_logprobs"][sel], batch["labels"][sel],
+            batch["row"][sel])
+
+
+def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
+    """-> f(batch, heads, pairs=(), per_token=False) -> (DistillOutput, row of each token, batch size): the
+    backbone-on-the-fly loss (`distill_loss`) or the feature-cache loss (`topk_distill_loss`)."""
+    from train.generate_data import parse_gen_dtype
+    from train.losses import distill_loss, topk_distill_loss
+
+    project = _project_fn(adapter, parse_gen_dtype(t.loss_dtype))
+    chunk = t.loss_chunk_size or None
+
+    def on_the_fly(batch, heads, pairs=(), per_token=False):
+        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype)
+        out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature, ce_weight=t.ce_weight,
+                           chunk_size=chunk, vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
+        return out, row, batch["input_ids"].shape[0]
+
+    def from_cache(batch, heads, pairs=(), per_token=False):
+        hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype)
+        out = topk_distill_loss(project, heads(hidden), ids, logp, labels, ce_weight=t.ce_weight, chunk_size=chunk,
+                                vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
+        return out, row, batch["offsets"].shape[0] - 1
+
+    return from_cache if cached else on_the_fly
+
+
 def _row_index(mask):
     import torch
 
     return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask).reshape(-1)
 
 
-def _project_fn(adapter):
-    def project(features):
-        return adapter.project(features.to(adapter.dtype))
+def _project_fn(adapter, dtype=None):
+    """The frozen lm_head as a function of features. With a `dtype` other than the backbone's, a copy of the output
+    layers in that dtype runs the same `DecoderAdapter.project` code (the loss's softmax stays fp32)."""
+    if dtype is None or dtype == adapter.dtype:
+        def project(features):
+            return adapter.project(features.to(adapter.dtype))
 
-    return project
+        return project
+    import copy
+    import dataclasses
+
+    parts = adapter.parts
+    shim = copy.copy(adapter)
+    shim.parts = dataclasses.replace(
+        parts, lm_head=copy.deepcopy(parts.lm_head).to(dtype),
+        project_out=None if parts.project_out is None else copy.deepcopy(parts.project_out).to(dtype))
+
+    def project_cast(features):
+        return shim.project(features.to(dtype))
+
+    return project_cast
 
 
-def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, param_dtype) -> dict:
-    """Per exit top-1 agreement with the final layer, KL, and expected tokens per round on held-out text."""
+def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, param_dtype,
+             cached: bool = False) -> dict:
+    """Per exit top-1 agreement with the final layer's argmax, KL, and expected tokens per round on held-out
+    loss tokens (from the feature cache when `cached`: there the KL is the top-k + bucket KL)."""
     import torch
 
-    from train.losses import distill_loss, expected_tokens_per_round
+    from train.losses import expected_tokens_per_round
 
     keys = ("draft", "verify", "draft_verify")
     totals = torch.zeros(len(keys) + 3, dtype=torch.float64)  # agree x3, kl draft, kl verify, tokens
+    loss_fn = _loss_fn(adapter, exits, t, param_dtype, cached)
     heads.eval()
     with torch.no_grad():
         for batch in eval_dl:
-            hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype)
-            feats = heads(hidden)
-            out = distill_loss(_project_fn(adapter), teacher, feats, temperature=t.temperature,
-                               chunk_size=t.loss_chunk_size or None, vocab_size=adapter.vocab_size,
-                               pairs=(("draft", "verify"),), per_token=True)
-            B = batch["input_ids"].shape[0]
+            out, row, B = loss_fn(batch, heads, pairs=(("draft", "verify"),), per_token=True)
             per_row = torch.zeros(B, totals.numel(), dtype=torch.float64, device=row.device)
             cols = [out.agree_tokens[k] for k in keys] + [out.kl_tokens["draft"], out.kl_tokens["verify"],
                                                           torch.ones_like(out.kl_tokens["draft"])]
@@ -452,7 +600,8 @@ def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, par
             totals += accelerator.gather_for_metrics(per_row).sum(0).cpu()
     heads.train()
     n = max(totals[-1].item(), 1.0)
-    result = {"eval_tokens": int(totals[-1].item()), "gamma": t.gamma}
+    result = {"eval_tokens": int(totals[-1].item()), "gamma": t.gamma,
+              "teacher": "feature cache: top-k + bucket" if cached else "full distribution"}
     for j, k in enumerate(keys):
         alpha = totals[j].item() / n
         result[k] = {"top1_agreement": alpha, "expected_tokens_per_round": expected_tokens_per_round(alpha, t.gamma)}
@@ -462,15 +611,72 @@ def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, par
     return result
 
 
+def _build_split(state, adapter, ds, folder, kwargs, extra, t0):
+    """One cache folder: built by this process alone, or shard-wise by all processes and finished by the main."""
+    from train.features import build_feature_cache, write_manifest
+
+    if state.num_processes == 1:
+        build_feature_cache(adapter, ds, folder, show_progress=state.is_local_main_process, **kwargs)
+        return
+    with state.main_process_first():  # the main process checks the folder and writes the plan first
+        build_feature_cache(adapter, ds, folder, rank=state.process_index, world_size=state.num_processes,
+                            plan_only=True, **kwargs)
+    build_feature_cache(adapter, ds, folder, rank=state.process_index, world_size=state.num_processes,
+                        show_progress=state.is_local_main_process, **kwargs)
+    state.wait_for_everyone()
+    if state.is_main_process and not (folder / "manifest.json").is_file():
+        write_manifest(folder, extra=extra, build_seconds=time.time() - t0)
+    state.wait_for_everyone()
+
+
+def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, eval_ds, pad_id):
+    """Build (or resume / reuse) DIR/train and DIR/eval, then -> (train, eval CachedSequences, info for the run)."""
+    from train import data as tdata
+    from train.features import CachedSequences, FeatureCacheError, model_identity
+    from train.generate_data import generation_dtype
+
+    root = Path(tdata.expand_path(d.feature_cache)).absolute()
+    with generation_dtype(model.base, d.feature_cache_backbone_dtype):  # the identity records the dtype used
+        identity = model_identity(model.base, m.model_name_or_path)
+    # Recorded for people, not compared: the sequences' fingerprint decides whether a cache fits.
+    extra = {"data": {k: v for k, v in asdict(d).items() if not k.startswith("feature_cache")},
+             "generation": asdict(g), "seed": t.seed}
+    out = {}
+    for split, ds in (("train", train_ds), ("eval", eval_ds)):
+        if ds is None or len(ds) == 0:
+            continue
+        folder = root / split
+        kwargs = dict(layers=exits, k=d.feature_cache_k, identity=identity, hidden_dtype=d.feature_cache_dtype,
+                      shard_tokens=d.feature_cache_shard_tokens, batch_tokens=d.feature_cache_batch_tokens,
+                      pad_id=pad_id, extra=extra)
+        t0 = time.time()
+        try:
+            with generation_dtype(model.base, d.feature_cache_backbone_dtype):
+                _build_split(state, adapter, ds, folder, kwargs, extra, t0)
+            out[split] = CachedSequences(folder, layers=exits)
+        except FeatureCacheError as e:
+            raise ConfigError(str(e)) from e
+        man = out[split].manifest
+        logger.info("feature cache %s: %d sequences, %d tokens (%d in the loss), layers %s, k=%d (%.1fs)", folder,
+                    man["num_sequences"], man["num_tokens"], man["num_loss_tokens"], man["layers"], man["k"],
+                    time.time() - t0)
+    info = {"dir": str(root), "k": d.feature_cache_k, "hidden_dtype": d.feature_cache_dtype,
+            "backbone_dtype": identity["dtype"],
+            **{f"{s}_tokens": c.manifest["num_tokens"] for s, c in out.items()},
+            **{f"{s}_loss_tokens": c.manifest["num_loss_tokens"] for s, c in out.items()}}
+    return out["train"], out.get("eval"), info
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     m, d, g, t = parse_args(argv)
-    validate_static(m, d, t)
+    validate_static(m, d, t, g)
     output_dir = Path(os.path.expanduser(t.output_dir)).absolute()
 
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import InitProcessGroupKwargs, set_seed
+    from datasets import concatenate_datasets
     from safetensors.torch import save_file
     from torch.utils.data import DataLoader, SequentialSampler
     from tqdm.auto import tqdm
@@ -478,16 +684,24 @@ def main(argv=None) -> int:
     from hispec.model import load_tokenizer
     from train import data as tdata
     from train.generate_data import generate_responses, prompts_from, read_responses
-    from train.losses import distill_loss
 
     report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
     # CPU processes talk through gloo (design.md §6: without it each rank may believe it is rank 0 of 1); a
     # plain single process must not get a backend, or accelerate would try to start a process group.
-    launched = "WORLD_SIZE" in os.environ or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+    launched = "WORLD_SIZE" in os.environ or deepspeed
     gloo = launched and not torch.cuda.is_available()
+    # `accelerate launch --multi_gpu` sets ACCELERATE_USE_CPU=False in the workers: without cpu=True accelerate
+    # gives several CPU processes DistributedType.NO, so barriers, gathers and DDP's gradient sync silently do
+    # nothing (each rank trains its own heads). DeepSpeed brings its own CPU path and must not get cpu=True.
+    multi_cpu = {"cpu": True} if gloo and not deepspeed else {}
     # The process group comes first; the Accelerator (and with it DeepSpeed's ZeRO-3 hook into from_pretrained,
-    # which would shard the frozen backbone) only after the backbone is loaded.
-    state = PartialState(**({"backend": "gloo"} if gloo else {}))
+    # which would shard the frozen backbone) only after the backbone is loaded. Ranks wait at barriers while the
+    # main process writes self-written prompts or a cache plan: far longer than gloo's default 30 min timeout.
+    from datetime import timedelta
+
+    long_wait = {"timeout": timedelta(hours=12)} if multi_cpu else {}
+    state = PartialState(**({"backend": "gloo", **multi_cpu, **long_wait} if gloo else {}))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not state.is_main_process:
         logger.setLevel(logging.WARNING)
@@ -506,7 +720,8 @@ def main(argv=None) -> int:
         raise ConfigError(f"no tokenizer found for {m.model_name_or_path}; training needs one to read text")
     with state.main_process_first():
         try:
-            train_rows, eval_rows = tdata.load_examples(d, t.seed)
+            train_rows, eval_rows = tdata.load_examples(d, t.seed, require_train=False)
+            plain_rows = tdata.load_plain_text(d, t.seed)
         except tdata.DataError as e:
             raise ConfigError(str(e)) from e
     resume_dir = find_checkpoint(output_dir, t.resume_from_checkpoint)
@@ -529,6 +744,32 @@ def main(argv=None) -> int:
     exits = (draft, verify)
     logger.info("loaded %s (%d layers) in %.1fs; exits draft=%d verify=%d, head=%s", m.model_name_or_path,
                 n_layers, time.time() - t0, draft, verify, m.head_type)
+
+    sources = {"file_prompts": len(train_rows) if train_rows is not None else 0,
+               "plain_text_rows": len(plain_rows) if plain_rows is not None else 0}
+
+    # ---- self-written prompts (resumable; written by the main process, read by all)
+    if d.self_prompts:
+        from datasets import Dataset
+
+        from train.self_prompts import SelfPromptError, ensure_self_prompts
+
+        sp_dir = Path(tdata.expand_path(d.self_prompts_dir)) if d.self_prompts_dir else output_dir / "self_prompts"
+        t0 = time.time()
+        with state.main_process_first():
+            try:
+                written = ensure_self_prompts(model.base, tokenizer, d.self_prompts, sp_dir, d, seed=t.seed,
+                                              gen_dtype=g.gen_dtype, show_progress=state.is_local_main_process)
+            except SelfPromptError as e:
+                raise ConfigError(str(e)) from e
+        logger.info("self-written prompts: %d in %s (%.1fs)", len(written), sp_dir, time.time() - t0)
+        sp_ds = Dataset.from_list([{"messages": p["messages"], "text": ""} for p in written])
+        if train_rows is None and eval_rows is None and d.eval_fraction > 0 and len(sp_ds) > 1:
+            n_eval = max(1, int(round(d.eval_fraction * len(sp_ds))))
+            n_eval = min(n_eval, d.max_eval_samples or n_eval, len(sp_ds) - 1)
+            eval_rows, sp_ds = sp_ds.select(range(n_eval)), sp_ds.select(range(n_eval, len(sp_ds)))
+        train_rows = sp_ds if train_rows is None else concatenate_datasets([train_rows, sp_ds])
+        sources["self_prompts"] = len(written)
 
     # ---- self-distillation: the model answers the prompts itself (resumable, sharded over processes)
     if d.self_distill:
@@ -555,18 +796,51 @@ def main(argv=None) -> int:
         eval_rows = with_answers(eval_rows) if eval_rows is not None else None
         if train_rows is None:
             raise ConfigError("self-distillation produced no answers for the training prompts")
+        sources["answers"] = len(train_rows)
+    if plain_rows is not None and eval_rows is not None:
+        n_plain = len(plain_rows)
+        plain_rows = tdata.drop_overlap(plain_rows, eval_rows)
+        sources["plain_text_rows_dropped_as_held_out"] = n_plain - len(plain_rows)
+        if len(plain_rows) == 0:
+            plain_rows = None
 
     with state.main_process_first():
-        train_ds = tdata.tokenize(train_rows, tokenizer, d.max_seq_length, d.packing, desc="tokenizing train")
+        parts = []
+        if train_rows is not None:
+            parts.append(tdata.tokenize(train_rows, tokenizer, d.max_seq_length, d.packing, desc="tokenizing train"))
+        if plain_rows is not None:
+            try:
+                parts.append(tdata.tokenize(plain_rows, tokenizer, d.max_seq_length, d.packing,
+                                            desc="tokenizing plain text", loss_on=d.plain_text_loss_on))
+            except tdata.DataError as e:
+                raise ConfigError(str(e)) from e
+            sources["plain_text_sequences"] = len(parts[-1])
+        train_ds = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
         eval_ds = (tdata.tokenize(eval_rows, tokenizer, d.max_seq_length, False, desc="tokenizing eval")
                    if eval_rows is not None else None)
     if len(train_ds) == 0:
         raise ConfigError(
-            "the training data is empty after tokenization (every row shorter than 2 tokens"
-            + (f", or no full {d.max_seq_length}-token block to pack" if d.packing else "") + ")"
+            "the training data is empty after tokenization (every row shorter than 2 tokens, or without a loss "
+            "position" + (f", or no full {d.max_seq_length}-token block to pack" if d.packing else "") + ")"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     collate = tdata.PadCollator(pad_id)
+    cached = bool(d.feature_cache)
+    cache_info = None
+    if cached:
+        train_ds, eval_ds, cache_info = _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds,
+                                                               eval_ds, pad_id)
+        from train.features import CachedCollator
+
+        collate = CachedCollator()
+    if t.data_only:
+        summary = {"data_only": True, "train_sequences": len(train_ds),
+                   "eval_sequences": len(eval_ds) if eval_ds is not None else 0, "sources": sources,
+                   "feature_cache": cache_info}
+        logger.info("data ready: %s", summary)
+        if state.is_main_process:
+            print(json.dumps(summary))
+        return 0
     sampler = tdata.EpochSampler(len(train_ds), t.seed)
     train_dl = DataLoader(train_ds, batch_size=t.per_device_train_batch_size, sampler=sampler, collate_fn=collate)
     eval_dl = (DataLoader(eval_ds, batch_size=t.per_device_eval_batch_size, sampler=SequentialSampler(eval_ds),
@@ -579,6 +853,7 @@ def main(argv=None) -> int:
         project_dir=str(output_dir),
         kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if gloo else [],
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
+        **multi_cpu,
     )
     heads = _heads_module()(model.heads.float())
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -608,7 +883,7 @@ def main(argv=None) -> int:
     run_info = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type,
                 "train_examples": len(train_ds), "eval_examples": len(eval_ds) if eval_ds is not None else 0,
                 "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-                "world_size": accelerator.num_processes}
+                "world_size": accelerator.num_processes, "sources": sources, "feature_cache": cache_info}
     config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
     if report_to:
         accelerator.init_trackers("hispec-heads", config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
@@ -619,7 +894,7 @@ def main(argv=None) -> int:
     def run_eval(step):
         if eval_dl is None:
             return None
-        res = evaluate(accelerator, heads, adapter, eval_dl, exits, t, param_dtype)
+        res = evaluate(accelerator, heads, adapter, eval_dl, exits, t, param_dtype, cached=cached)
         res["step"] = step
         history.append(res)
         accelerator.log({f"eval/{k}_agreement": res[k]["top1_agreement"] for k in ("draft", "verify", "draft_verify")},
@@ -652,7 +927,7 @@ def main(argv=None) -> int:
         run_eval(0)
 
     # ---- the loop
-    project = _project_fn(adapter)
+    loss_fn = _loss_fn(adapter, exits, t, param_dtype, cached)
     bar = tqdm(total=total_steps, initial=completed, desc="training heads",
                disable=not accelerator.is_local_main_process)
     heads.train()
@@ -672,10 +947,7 @@ def main(argv=None) -> int:
             with accelerator.accumulate(heads):
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(completed, total_steps, t)
-                hidden, teacher, labels, _ = _batch_inputs(batch, adapter, exits, param_dtype)
-                out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature,
-                                   ce_weight=t.ce_weight, chunk_size=t.loss_chunk_size or None,
-                                   vocab_size=adapter.vocab_size)
+                out, _, _ = loss_fn(batch, heads)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients and t.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(params, t.max_grad_norm)

@@ -1,0 +1,433 @@
+"""Feature cache: run the frozen backbone ONCE over the training sequences, then train heads from disk.
+
+Layout of a cache folder (one per split; `train/heads.py --feature_cache DIR` uses `DIR/train` and `DIR/eval`):
+
+    plan.json                 written first: settings + which sequences go to which shard (+ their fingerprints)
+    shard-00000.safetensors   one file per ~`shard_tokens` tokens, each written to a temporary name and renamed
+    ...
+    manifest.json             written LAST, once every shard exists: the cache is complete iff it is present
+
+Each shard holds, for its S sequences of N tokens in total (concatenated, no padding):
+    input_ids             [N]     int32   the tokens
+    offsets               [S + 1] int64   sequence boundaries (sequence j is rows offsets[j]:offsets[j + 1]), so
+                                          sequences can be rebuilt for heads that attend over previous positions
+    loss_mask             [N]     bool    positions whose next-token distribution trains the heads
+    hidden.<layer>        [N, H]  bf16    residual stream after `layer` decoder layers, for each exit layer: the
+                                          same tensor `hispec.layers.DecoderAdapter.run_layers` hands an exit
+                                          head during decoding (and `train.losses.exit_states` during training)
+    teacher_topk_ids      [N, k]  int32   the final layer's k most likely next tokens, descending
+    teacher_topk_logprobs [N, k]  fp32    their log-probabilities (final-layer log-softmax, temperature 1)
+Every position is stored (also those outside the loss mask), teacher included.
+
+Contract:
+- `build_feature_cache(adapter, sequences, out_dir, *, layers, k, identity, ...)` builds the shards assigned to
+  `rank` (shard s belongs to rank s % world_size) and, with one process, the manifest; several processes call
+  `write_manifest(out_dir)` on one rank after all have built theirs. `sequences`: rows `{"input_ids": [int],
+  "loss_mask": [bool]}` (a list or a `datasets.Dataset`). Resumable: existing shards whose fingerprint matches
+  the plan are kept, missing ones built. A folder whose plan or manifest was made from other data, another
+  model, other layers, k or dtype raises `FeatureCacheError` (nothing is overwritten); a complete cache that
+  matches is returned as is. Bad arguments raise `FeatureCacheError` before any work.
+- `open_feature_cache(out_dir)` -> the manifest of a complete cache (FeatureCacheError otherwise).
+- `CachedSequences(out_dir, layers)` is a torch `Dataset` of sequences read lazily (memory-mapped) from the
+  shards; `CachedCollator()` concatenates a batch into flat `[N, ...]` tensors plus `labels` (next token within
+  the sequence, -100 at its end), `row` (index in the batch of each token) and `offsets`.
+- The manifest: `format`, `version`, `model` (identity + weight fingerprint + backbone dtype), `layers`, `k`,
+  `hidden_dtype`, `hidden_size`, `vocab_size`, `teacher_temperature` (1.0), `num_sequences`, `num_tokens`,
+  `num_loss_tokens`, `shards` (file, sequences, tokens, loss_tokens, fingerprint), `fingerprint` (all data),
+  `extra` (what the caller passes, e.g. the data settings), `build_seconds`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+FORMAT = "hispec-features"
+VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+HIDDEN_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_IDENTITY_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "weights",
+                  "dtype")
+
+
+class FeatureCacheError(ValueError):
+    """The feature cache cannot be built or used as asked; the message says why and what to do."""
+
+
+def _shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def _shard_hook(index: int) -> None:
+    """Called after every shard written (tests replace it to simulate a kill)."""
+
+
+# ---------------------------------------------------------------------------------------------------- identity
+def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
+    """A cheap fingerprint of a model's weights: a strided sample of every parameter, hashed (dtype-sensitive)."""
+    h = hashlib.sha1()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // samples)
+            h.update(name.encode())
+            h.update(str(p.dtype).encode())
+            h.update(flat[::step][:samples].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_identity(model: torch.nn.Module, name_or_path: str | None = None) -> dict:
+    """What a cache records about the model that made it (compared on reuse; the name is informative only)."""
+    from hispec.model import base_identity
+
+    ident = dict(base_identity(model))
+    if name_or_path is not None:
+        ident["name_or_path"] = name_or_path
+    ident["weights"] = weights_fingerprint(model)
+    ident["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+    return ident
+
+
+def _seq_fingerprint(h, ids, mask) -> None:
+    import numpy as np
+
+    h.update(np.asarray(ids, dtype=np.int32).tobytes())
+    h.update(np.asarray(mask, dtype=np.bool_).tobytes())
+    h.update(b"|")
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+def _rows(sequences):
+    """Uniform (ids, mask) access to a list of dicts or a datasets.Dataset with the two columns."""
+    if hasattr(sequences, "column_names"):
+        missing = {"input_ids", "loss_mask"} - set(sequences.column_names)
+        if missing:
+            raise FeatureCacheError(f"the sequences lack column(s) {sorted(missing)}")
+        return list(zip(sequences["input_ids"], sequences["loss_mask"]))
+    out = []
+    for i, r in enumerate(sequences):
+        if "input_ids" not in r or "loss_mask" not in r:
+            raise FeatureCacheError(f"sequence {i} lacks input_ids or loss_mask")
+        out.append((list(r["input_ids"]), list(r["loss_mask"])))
+    return out
+
+
+def make_plan(rows, shard_tokens: int) -> dict:
+    """Contiguous runs of sequences, each shard at most `shard_tokens` tokens (or one longer sequence)."""
+    shards, start, tokens = [], 0, 0
+    whole = hashlib.sha1()
+    for j, (ids, mask) in enumerate(rows):
+        if len(ids) != len(mask):
+            raise FeatureCacheError(f"sequence {j}: {len(ids)} input_ids but {len(mask)} loss_mask entries")
+        if len(ids) < 1:
+            raise FeatureCacheError(f"sequence {j} is empty")
+        if tokens and tokens + len(ids) > shard_tokens:
+            shards.append((start, j))
+            start, tokens = j, 0
+        tokens += len(ids)
+        _seq_fingerprint(whole, ids, mask)
+    if tokens:
+        shards.append((start, len(rows)))
+    out = []
+    for i, (a, b) in enumerate(shards):
+        h = hashlib.sha1()
+        for ids, mask in rows[a:b]:
+            _seq_fingerprint(h, ids, mask)
+        out.append({"file": _shard_name(i), "start": a, "end": b, "tokens": sum(len(r[0]) for r in rows[a:b]),
+                    "loss_tokens": sum(int(sum(map(bool, r[1]))) for r in rows[a:b]),
+                    "fingerprint": h.hexdigest()[:16]})
+    return {"shards": out, "fingerprint": whole.hexdigest()[:16], "num_sequences": len(rows)}
+
+
+def _spec(identity: dict, layers, k: int, hidden_dtype: str, hidden_size: int, vocab_size: int) -> dict:
+    return {"format": FORMAT, "version": VERSION, "model": identity, "layers": sorted(int(x) for x in layers),
+            "k": int(k), "hidden_dtype": str(HIDDEN_DTYPES[hidden_dtype]).replace("torch.", ""),
+            "hidden_size": int(hidden_size), "vocab_size": int(vocab_size), "teacher_temperature": 1.0}
+
+
+def _same_spec(a: dict, b: dict) -> list[str]:
+    """Differences that make a cache unusable for spec b (the model name/path may differ)."""
+    diffs = []
+    for key in ("format", "version", "layers", "k", "hidden_dtype", "hidden_size", "vocab_size",
+                "teacher_temperature"):
+        if a.get(key) != b.get(key):
+            diffs.append(f"{key} {a.get(key)!r} != {b.get(key)!r}")
+    ma, mb = a.get("model", {}), b.get("model", {})
+    for key in _IDENTITY_KEYS:
+        if ma.get(key) != mb.get(key):
+            diffs.append(f"model {key} {ma.get(key)!r} != {mb.get(key)!r}")
+    return diffs
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------- build
+@torch.no_grad()
+def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[n, H]` final normed features -> top-k ids `[n, k]` int32 and log-probs `[n, k]` fp32 (chunked over n)."""
+    from train.losses import auto_chunk_size
+
+    step = auto_chunk_size(adapter.vocab_size)
+    ids, vals = [], []
+    for a in range(0, final_normed.shape[0], step):
+        logp = torch.log_softmax(adapter.project(final_normed[a : a + step]).float(), dim=-1)
+        v, i = logp.topk(k, dim=-1)
+        ids.append(i.to(torch.int32))
+        vals.append(v)
+    return torch.cat(ids), torch.cat(vals)
+
+
+@torch.no_grad()
+def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
+                 progress=None) -> dict[str, torch.Tensor]:
+    """One shard's tensors (see the module docstring); sequences run in length-sorted, right-padded batches."""
+    from train.losses import exit_states
+
+    lengths = [len(ids) for ids, _ in rows]
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    n, H = int(offsets[-1]), adapter.hidden_size
+    hidden = {layer: torch.empty(n, H, dtype=hidden_dtype) for layer in layers}
+    top_ids = torch.empty(n, k, dtype=torch.int32)
+    top_lp = torch.empty(n, k, dtype=torch.float32)
+    order = sorted(range(len(rows)), key=lambda j: -lengths[j])
+    device = adapter.device
+    i = 0
+    while i < len(order):
+        T = lengths[order[i]]
+        B = max(1, batch_tokens // T)
+        batch = order[i : i + B]
+        i += len(batch)
+        ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+        valid = torch.zeros(len(batch), T, dtype=torch.bool)
+        for r, j in enumerate(batch):
+            ids[r, : lengths[j]] = torch.as_tensor(rows[j][0], dtype=torch.long)
+            valid[r, : lengths[j]] = True
+        pos = torch.arange(T).expand(len(batch), T)
+        ids, valid, pos = ids.to(device), valid.to(device), pos.to(device)
+        states, final = exit_states(adapter, ids, pos, valid, tuple(layers))
+        flat = valid.reshape(-1)
+        t_ids, t_lp = _teacher_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
+        dest = torch.cat([torch.arange(int(offsets[j]), int(offsets[j + 1])) for j in batch])
+        for layer in layers:
+            hidden[layer][dest] = states[layer].reshape(-1, H)[flat].to(hidden_dtype).cpu()
+        top_ids[dest] = t_ids.cpu()
+        top_lp[dest] = t_lp.cpu()
+        if progress is not None:
+            progress(int(flat.sum()))
+    out = {
+        "input_ids": torch.cat([torch.as_tensor(ids, dtype=torch.int32) for ids, _ in rows]),
+        "offsets": offsets,
+        "loss_mask": torch.cat([torch.as_tensor(mask, dtype=torch.bool) for _, mask in rows]),
+        "teacher_topk_ids": top_ids,
+        "teacher_topk_logprobs": top_lp,
+    }
+    for layer in layers:
+        out[f"hidden.{layer}"] = hidden[layer]
+    return out
+
+
+def _shard_fingerprint(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("fingerprint")
+    except Exception:  # noqa: BLE001  (a damaged file is rebuilt)
+        return None
+
+
+def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, identity: dict | None = None,
+                        hidden_dtype: str = "bf16", shard_tokens: int = 1 << 16, batch_tokens: int = 4096,
+                        pad_id: int = 0, rank: int = 0, world_size: int = 1, extra: dict | None = None,
+                        show_progress: bool = True, plan_only: bool = False) -> dict | None:
+    """Build (or resume, or reuse) a feature cache; see the module docstring. Returns the manifest when this call
+    completed the cache (one process) or found it complete, None when another rank must call `write_manifest`.
+    `plan_only`: only check the folder against this run and (rank 0) write the plan, then return."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    layers = sorted({int(x) for x in layers})
+    if not layers or any(not 1 <= x <= adapter.num_layers for x in layers):
+        raise FeatureCacheError(f"exit layers {layers} must be in 1..{adapter.num_layers}")
+    if not 1 <= k <= adapter.vocab_size:
+        raise FeatureCacheError(f"k must be in 1..{adapter.vocab_size} (the vocabulary), got {k}")
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise FeatureCacheError(f"unknown hidden dtype '{hidden_dtype}'; choose bf16, fp16 or fp32")
+    if shard_tokens < 1 or batch_tokens < 1:
+        raise FeatureCacheError("shard_tokens and batch_tokens must be >= 1")
+    rows = _rows(sequences)
+    if not rows:
+        raise FeatureCacheError("no sequences to cache")
+    if identity is None:
+        identity = model_identity(adapter.model)
+    spec = _spec(identity, layers, k, hidden_dtype, adapter.hidden_size, adapter.vocab_size)
+    plan = {**spec, **make_plan(rows, shard_tokens), "shard_tokens": shard_tokens}
+
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        diffs = _same_spec(manifest, spec)
+        if manifest.get("fingerprint") != plan["fingerprint"]:
+            diffs.append("the training sequences differ")
+        if diffs:
+            raise FeatureCacheError(f"{out_dir} holds a feature cache that does not fit this run ({'; '.join(diffs)});"
+                                    " delete it or choose another feature_cache folder")
+        return manifest
+    plan_path = out_dir / PLAN
+    if plan_path.is_file():
+        old = json.loads(plan_path.read_text())
+        diffs = _same_spec(old, spec)
+        if old.get("fingerprint") != plan["fingerprint"] or old.get("shard_tokens") != shard_tokens:
+            diffs.append("the training sequences (or shard size) differ")
+        if diffs:
+            raise FeatureCacheError(f"{out_dir} holds a partly built feature cache for something else "
+                                    f"({'; '.join(diffs)}); delete it or choose another feature_cache folder")
+    elif rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(plan_path, plan)
+    if rank == 0 and (plan_only or world_size == 1):  # no other rank is writing yet: drop a killed run's leftovers
+        for junk in out_dir.glob(".shard-*.tmp-*"):
+            junk.unlink(missing_ok=True)
+    if plan_only:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    dtype = HIDDEN_DTYPES[hidden_dtype]
+    mine = [(i, s) for i, s in enumerate(plan["shards"]) if i % world_size == rank]
+    todo = [(i, s) for i, s in mine if _shard_fingerprint(out_dir / s["file"]) != s["fingerprint"]]
+    bar = tqdm(total=sum(s["tokens"] for _, s in mine), initial=sum(s["tokens"] for _, s in mine)
+               - sum(s["tokens"] for _, s in todo), desc=f"feature cache {out_dir.name}", unit="tok",
+               disable=not show_progress)
+    t0 = time.time()
+    for i, s in todo:
+        tensors = _build_shard(adapter, rows[s["start"] : s["end"]], layers, k, dtype, batch_tokens, pad_id,
+                               progress=bar.update)
+        final = out_dir / s["file"]
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "fingerprint": s["fingerprint"],
+                                              "sequences": str(s["end"] - s["start"])})
+        os.replace(tmp, final)
+        _shard_hook(i)
+    bar.close()
+    if world_size == 1:
+        return write_manifest(out_dir, extra=extra, build_seconds=time.time() - t0)
+    return None
+
+
+def write_manifest(out_dir, *, extra: dict | None = None, build_seconds: float | None = None) -> dict:
+    """Check that every planned shard exists with its fingerprint, then write manifest.json (last)."""
+    out_dir = Path(out_dir)
+    plan_path = out_dir / PLAN
+    if not plan_path.is_file():
+        raise FeatureCacheError(f"{out_dir} has no {PLAN}: build the cache first")
+    plan = json.loads(plan_path.read_text())
+    missing = [s["file"] for s in plan["shards"]
+               if _shard_fingerprint(out_dir / s["file"]) != s["fingerprint"]]
+    if missing:
+        raise FeatureCacheError(f"{out_dir}: shard(s) {missing[:5]} missing or stale; build the cache again")
+    shards = [{"file": s["file"], "sequences": s["end"] - s["start"], "tokens": s["tokens"],
+               "loss_tokens": s["loss_tokens"], "fingerprint": s["fingerprint"]} for s in plan["shards"]]
+    manifest = {k: plan[k] for k in ("format", "version", "model", "layers", "k", "hidden_dtype", "hidden_size",
+                                     "vocab_size", "teacher_temperature", "fingerprint", "num_sequences",
+                                     "shard_tokens")}
+    manifest.update(num_tokens=sum(s["tokens"] for s in shards), num_loss_tokens=sum(s["loss_tokens"] for s in shards),
+                    shards=shards, extra=extra or {},
+                    build_seconds=None if build_seconds is None else round(build_seconds, 1))
+    _write_json(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+def open_feature_cache(out_dir) -> dict:
+    """The manifest of a complete cache; FeatureCacheError when there is none."""
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        raise FeatureCacheError(f"{out_dir} is not a complete feature cache (no {MANIFEST}); build it first")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise FeatureCacheError(f"{out_dir}: unknown cache format {manifest.get('format')!r} "
+                                f"v{manifest.get('version')!r}")
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------------- read
+class CachedSequences(torch.utils.data.Dataset):
+    """Sequences of a complete cache, read lazily from memory-mapped shards. Item i: `input_ids` [n] long,
+    `loss_mask` [n] bool, `hidden.<layer>` [n, H] (stored dtype) for the requested layers, `teacher_topk_ids`
+    [n, k] long, `teacher_topk_logprobs` [n, k] fp32."""
+
+    def __init__(self, out_dir, layers=None):
+        from safetensors import safe_open
+
+        self.dir = Path(out_dir)
+        self.manifest = open_feature_cache(self.dir)
+        self.layers = list(self.manifest["layers"] if layers is None else layers)
+        missing = sorted(set(self.layers) - set(self.manifest["layers"]))
+        if missing:
+            raise FeatureCacheError(f"{self.dir} caches layers {self.manifest['layers']}, not {missing}; build a "
+                                    "cache for these exits")
+        self.index: list[tuple[int, int, int]] = []  # (shard, start, end)
+        for si, s in enumerate(self.manifest["shards"]):
+            with safe_open(str(self.dir / s["file"]), framework="pt") as f:
+                off = f.get_tensor("offsets").tolist()
+            self.index.extend((si, off[j], off[j + 1]) for j in range(len(off) - 1))
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_handles": {}}
+
+    def _handle(self, si: int):
+        from safetensors import safe_open
+
+        if si not in self._handles:
+            self._handles[si] = safe_open(str(self.dir / self.manifest["shards"][si]["file"]), framework="pt")
+        return self._handles[si]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        si, a, b = self.index[i]
+        f = self._handle(si)
+        item = {"input_ids": f.get_slice("input_ids")[a:b].long(),
+                "loss_mask": f.get_slice("loss_mask")[a:b],
+                "teacher_topk_ids": f.get_slice("teacher_topk_ids")[a:b].long(),
+                "teacher_topk_logprobs": f.get_slice("teacher_topk_logprobs")[a:b]}
+        for layer in self.layers:
+            item[f"hidden.{layer}"] = f.get_slice(f"hidden.{layer}")[a:b]
+        return item
+
+
+class CachedCollator:
+    """Items of `CachedSequences` -> one flat batch: every tensor concatenated over tokens, plus `labels` [N]
+    (next token within the sequence, -100 at its last position), `row` [N] (batch index of each token) and
+    `offsets` [B + 1]."""
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        out = {key: torch.cat([it[key] for it in items]) for key in items[0]}
+        lengths = torch.tensor([len(it["input_ids"]) for it in items], dtype=torch.long)
+        offsets = torch.zeros(len(items) + 1, dtype=torch.long)
+        offsets[1:] = lengths.cumsum(0)
+        labels = torch.full_like(out["input_ids"], -100)
+        labels[:-1] = out["input_ids"][1:]
+        labels[offsets[1:] - 1] = -100
+        out["labels"] = labels
+        out["row"] = torch.repeat_interleave(torch.arange(len(items)), lengths)
+        out["offsets"] = offsets
+        return out
