@@ -62,7 +62,7 @@ TRAIN_INFO_FILE = "hispec_train.json"
 METRICS_FILE = "metrics.json"
 STATE_FILE = "hispec_state.json"
 CHECKPOINTS = "checkpoints"
-TRAINABLE_HEADS = ("norm", "linear", "lowrank")
+TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # Benchmarks this project evaluates on: never training data (design.md §8).
 EVAL_ONLY_FILES = ("spec_bench_question.jsonl", "mt_bench_question.jsonl")
@@ -93,6 +93,11 @@ class ModelArguments:
     )
     head_type: str = field(default="linear", metadata={"help": f"Exit head type: {', '.join(TRAINABLE_HEADS)}."})
     head_rank: int = field(default=64, metadata={"help": "Rank of 'lowrank' heads."})
+    head_lora_rank: int = field(
+        default=0, metadata={"help": "'layer' heads: train the copied decoder layer through LoRA of this rank (peft; "
+                                     "0 = train it fully). Norm and residual adapter always train fully."}
+    )
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha of 'layer' heads (hispec-export merges)."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
 
 
@@ -336,6 +341,12 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         raise ConfigError(
             f"head type '{m.head_type}' has no trainable weights; choose one of {', '.join(TRAINABLE_HEADS)}"
         )
+    if m.head_type == "layer" and d.feature_cache:
+        raise ConfigError("'layer' heads attend over previous positions and train on whole sequences through the "
+                          "backbone; drop feature_cache (it stores position-wise states) or choose a position-wise "
+                          "head type (norm, linear, lowrank)")
+    if m.head_lora_rank < 0 or (m.head_lora_rank and m.head_type != "layer"):
+        raise ConfigError(f"head_lora_rank {m.head_lora_rank}: LoRA applies to 'layer' heads only (>= 1; 0 = off)")
     if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
         raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt), --dataset_name, "
                           "--self_prompts N and/or --plain_text_file")
@@ -472,7 +483,26 @@ def wrap_model(base, m: ModelArguments, draft: int, verify: int, gamma: int, win
     model.hispec_config.base["name_or_path"] = m.model_name_or_path
     if m.adapter_name_or_path:
         model.hispec_config.base["merged_adapter"] = m.adapter_name_or_path
+    if m.head_type == "layer" and m.head_lora_rank:
+        add_layer_lora(model, m.head_lora_rank, m.lora_alpha)
     return model
+
+
+def add_layer_lora(model, rank: int, alpha: float) -> None:
+    """LoRA (peft) on every linear map of the heads' copied decoder layers; the layer's own weights freeze, the
+    heads' norms and residual adapters keep training. The saved heads then hold peft keys that `hispec-export`
+    merges (it reads `lora_alpha` from the run's arguments)."""
+    import torch
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraModel
+
+    targets = sorted(n for n, mod in model.heads.named_modules()
+                     if isinstance(mod, torch.nn.Linear) and ".layer." in f".{n}.")
+    if not targets:
+        raise ConfigError("head_lora_rank: the heads' decoder layers have no nn.Linear maps to adapt")
+    LoraModel(model.heads, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets), "default")
+    for n, p in model.heads.named_parameters():
+        p.requires_grad_("lora_" in n or ".layer." not in f".{n}.")
 
 
 def _heads_module():
@@ -481,13 +511,25 @@ def _heads_module():
     class HeadsForTraining(torch.nn.Module):
         """The only module `accelerate.prepare` sees: both heads, features for given exit hidden states."""
 
-        def __init__(self, heads):
+        def __init__(self, heads, adapter=None):
             super().__init__()
             self.heads = heads
+            self._adapter = [adapter]  # not a submodule (the frozen backbone stays outside accelerate)
 
         def forward(self, hidden: dict):
-            # {exit: [N, H]} -> {exit: [N, H]} features for the frozen lm_head
-            return {k: self.heads[k](h) for k, h in hidden.items()}
+            # {exit: [N, H]} -> {exit: [N, H]} features for the frozen lm_head. A `layer` head gets its exit's
+            # whole sequences instead, (states [B, T, H], attention mask [B, T], loss positions [B*T]), and
+            # attends over them causally (a fresh cache per batch).
+            out = {}
+            for k, h in hidden.items():
+                if isinstance(h, tuple):
+                    states, mask, flat = h
+                    head = self.heads[k]
+                    feats = head(states, head.run_layer_fresh(self._adapter[0], mask.long()))
+                    out[k] = feats.reshape(-1, feats.shape[-1])[flat]
+                else:
+                    out[k] = self.heads[k](h)
+            return out
 
     return HeadsForTraining
 
@@ -497,7 +539,7 @@ def _step_hook(step: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def _batch_inputs(batch, adapter, exits, param_dtype):
+def _batch_inputs(batch, adapter, exits, param_dtype, seq_heads=()):
     """Backbone pass -> exit states, teacher features and next-token labels of the loss tokens (valid tokens
     inside the batch's `loss_mask` when it has one), flattened; and the batch row of each."""
     from hispec.layers import positions_from_mask
@@ -507,7 +549,8 @@ def _batch_inputs(batch, adapter, exits, param_dtype):
     pos = positions_from_mask(mask)
     states, final = exit_states(adapter, ids, pos, mask, exits)
     flat = (mask & batch["loss_mask"].bool() if "loss_mask" in batch else mask).reshape(-1)
-    hidden = {name: states[layer].reshape(-1, states[layer].shape[-1])[flat].to(param_dtype)
+    hidden = {name: ((states[layer].to(param_dtype), mask, flat) if name in seq_heads else
+                     states[layer].reshape(-1, states[layer].shape[-1])[flat].to(param_dtype))
               for name, layer in zip(("draft", "verify"), exits)}
     teacher = final.reshape(-1, final.shape[-1])[flat]
     labels = next_token_labels(ids, mask).reshape(-1)[flat]
@@ -534,7 +577,9 @@ def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
     chunk = t.loss_chunk_size or None
 
     def on_the_fly(batch, heads, pairs=(), per_token=False):
-        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype)
+        inner = getattr(heads, "module", heads).heads  # (DDP-)wrapped HeadsForTraining -> its ModuleDict
+        seq_heads = tuple(k for k, h in inner.items() if getattr(h, "stateful", False))  # `layer` heads
+        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype, seq_heads)
         out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature, ce_weight=t.ce_weight,
                            chunk_size=chunk, vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
         return out, row, batch["input_ids"].shape[0]
@@ -855,7 +900,7 @@ def main(argv=None) -> int:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
         **multi_cpu,
     )
-    heads = _heads_module()(model.heads.float())
+    heads = _heads_module()(model.heads.float(), adapter)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     if eval_dl is not None:
