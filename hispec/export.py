@@ -214,6 +214,9 @@ def build_model(run: TrainRun, base: str | None = None, *, base_revision: str | 
     revision = base_revision if (base or base_revision) else recorded.get("revision")
     if not source:
         raise ExportError(f"{run.folder / TRAIN_FILE} records no base model name; pass --base")
+    expanded = os.path.expanduser(os.path.expandvars(source))  # recipes record paths like ~/.cache/...
+    if Path(expanded).exists():
+        source = expanded
     if Path(source).exists():  # a local folder / .gguf: record it so the checkpoint works from any directory
         source = str(Path(source).absolute())
     hconf = HispecConfig.from_dict(run.hispec)

@@ -484,3 +484,14 @@ def test_reduced_head_vocabularies_are_counted_on_data_and_kept_by_the_checkpoin
     assert main([str(train_dir), "--output-dir", str(bad), "--draft-vocab-size", "100000"]) == 1
     assert main([str(train_dir), "--output-dir", str(bad), "--gamma", "0"]) == 1
     assert not bad.exists()
+
+
+def test_a_recorded_base_path_with_tilde_is_expanded(trained, tmp_path, base_dir, monkeypatch):
+    monkeypatch.setenv("HOME", str(base_dir.parent))
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    info = json.loads((run / "hispec_train.json").read_text())
+    info["base"]["name_or_path"] = info["hispec"]["base"]["name_or_path"] = f"~/{base_dir.name}"
+    (run / "hispec_train.json").write_text(json.dumps(info))
+    assert main([str(run), "--output-dir", str(tmp_path / "out")]) == 0
+    assert hispec.load(tmp_path / "out").hispec_config.base["name_or_path"] == str(base_dir)
