@@ -32,6 +32,12 @@ Contract:
 - `run_probe(model, tokenizer, config)` does all of that (plus an optional agreement-vs-training-size curve) and
   returns a `ProbeResult`; `format_table(result)` and `plot(result, path)` present it. Deterministic given the
   seed. Nothing here prints; progress bars go to stderr through tqdm when asked.
+- Checkpoint heads (`hispec-probe --eval-heads`): `evaluate_exit_heads(model, sequences, gamma=...)` evaluates an
+  `EarlyExitModel`'s own draft and verifier heads (any head type; a `layer` head runs over whole sequences with a
+  fresh cache; a reduced head vocabulary is honoured through `project_exit`) on the same self-generated held-out
+  answers: top-1 / top-5 agreement with the final layer's argmax, tokens per full pass, and the hierarchy figures
+  (`verify_agrees_draft`: share of positions where the verifier exit's argmax equals the draft's, and its two
+  conditional companions), overall and per category; `format_eval_table` presents it.
 """
 
 from __future__ import annotations
@@ -317,10 +323,13 @@ def text_sequences(tokenizer, text: str, max_len: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------------------------------------------- answers
 def model_fingerprint(model) -> str:
-    """A hash of the config and a sample of every weight (bf16-rounded, so fp32 and bf16 loads agree)."""
+    """A hash of the config and a sample of every weight (bf16-rounded, so fp32 and bf16 loads agree). A hispec
+    checkpoint's base (whose config.json carries the "hispec" entry) hashes like the plain base model, so both
+    share cached answers."""
     h = hashlib.sha256()
     cfg = model.config.to_dict()
     cfg.pop("_name_or_path", None)
+    cfg.pop("hispec", None)
     for k in ("torch_dtype", "dtype", "transformers_version", "_attn_implementation_autoset", "use_cache"):
         cfg.pop(k, None)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
@@ -511,33 +520,34 @@ def teacher_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return ids, vals, logits.float().argmax(-1)
 
 
-@torch.no_grad()
-def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, top_k: int = DEFAULT_TOP_K,
-                     batch_tokens: int = 4096, feature_dtype=torch.bfloat16, chunk: int = 512,
-                     progress: bool = False) -> Features:
-    """One frozen pass over every sequence (see module docstring)."""
-    from tqdm.auto import tqdm
+@dataclass
+class _Layout:
+    """Where each sequence's scored positions go in the flat `[N]` arrays (sequence order, answers contiguous)."""
 
-    device = adapter.device
+    offsets: list[int]
+    n: int
+    categories: list[str]
+    next_token: torch.Tensor
+    segment: torch.Tensor
+    sequence: torch.Tensor
+    category: torch.Tensor
+    held_out: torch.Tensor
+
+
+def _layout(sequences: list[Sequence]) -> _Layout:
     cats = sorted({s.category for s in sequences})
     cat_index = {c: i for i, c in enumerate(cats)}
     offsets, n = [], 0
     for s in sequences:
         offsets.append(n)
         n += s.n_scored
-    H = adapter.hidden_size
-    k = min(top_k, adapter.vocab_size)
-    hidden = {l: torch.empty(n, H, dtype=feature_dtype) for l in layers}
-    t_ids = torch.empty(n, k, dtype=torch.long)
-    t_logp = torch.empty(n, k, dtype=torch.float32)
-    t_top = torch.empty(n, dtype=torch.long)
     next_token = torch.empty(n, dtype=torch.long)
     segment = torch.empty(n, dtype=torch.long)
     seq_idx = torch.empty(n, dtype=torch.long)
     category = torch.empty(n, dtype=torch.long)
     held_out = torch.empty(n, dtype=torch.bool)
     seg = 0
-    for i, s in enumerate(sequences):  # metadata in sequence order
+    for i, s in enumerate(sequences):
         o = offsets[i]
         for a, b in s.spans:
             m = b - a
@@ -547,7 +557,11 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
         seq_idx[offsets[i] : o] = i
         category[offsets[i] : o] = cat_index[s.category]
         held_out[offsets[i] : o] = s.held_out
+    return _Layout(offsets, n, cats, next_token, segment, seq_idx, category, held_out)
 
+
+def _length_batches(sequences: list[Sequence], batch_tokens: int) -> list[list[int]]:
+    """Sequence indices in length order, cut into batches of at most `batch_tokens` padded tokens (or one)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].ids))
     batches, cur = [], []
     for i in order:
@@ -558,27 +572,57 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
         cur.append(i)
     if cur:
         batches.append(cur)
+    return batches
+
+
+def _padded_batch(sequences: list[Sequence], batch: list[int], offsets: list[int], device):
+    """Right-padded ids and validity `[B, T]` (on device), and for the scored positions (position p - 1 predicts
+    token p of a span): row and column indices (on device) and destination indices into the flat arrays (CPU);
+    None when the batch scores nothing."""
+    T = max(len(sequences[i].ids) for i in batch)
+    ids = torch.zeros(len(batch), T, dtype=torch.long)
+    valid = torch.zeros(len(batch), T, dtype=torch.bool)
+    rows, cols, dest = [], [], []
+    for r, i in enumerate(batch):
+        s = sequences[i]
+        ids[r, : len(s.ids)] = torch.tensor(s.ids)
+        valid[r, : len(s.ids)] = True
+        pos = [p - 1 for a, b in s.spans for p in range(a, b)]
+        rows += [r] * len(pos)
+        cols += pos
+        dest += range(offsets[i], offsets[i] + len(pos))
+    if not dest:
+        return None
+    return (ids.to(device), valid.to(device), torch.tensor(rows, device=device), torch.tensor(cols, device=device),
+            torch.tensor(dest))
+
+
+@torch.no_grad()
+def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, top_k: int = DEFAULT_TOP_K,
+                     batch_tokens: int = 4096, feature_dtype=torch.bfloat16, chunk: int = 512,
+                     progress: bool = False) -> Features:
+    """One frozen pass over every sequence (see module docstring)."""
+    from tqdm.auto import tqdm
+
+    device = adapter.device
+    lay = _layout(sequences)
+    n = lay.n
+    H = adapter.hidden_size
+    k = min(top_k, adapter.vocab_size)
+    hidden = {l: torch.empty(n, H, dtype=feature_dtype) for l in layers}
+    t_ids = torch.empty(n, k, dtype=torch.long)
+    t_logp = torch.empty(n, k, dtype=torch.float32)
+    t_top = torch.empty(n, dtype=torch.long)
+
     bounds = sorted({0, adapter.num_layers, *layers})
     bar = tqdm(total=len(sequences), desc="frozen forward", unit="seq", disable=not progress, dynamic_ncols=True)
-    for batch in batches:
-        T = max(len(sequences[i].ids) for i in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        valid = torch.zeros(len(batch), T, dtype=torch.bool)
-        rows, cols, dest = [], [], []
-        for r, i in enumerate(batch):
-            s = sequences[i]
-            ids[r, : len(s.ids)] = torch.tensor(s.ids)
-            valid[r, : len(s.ids)] = True
-            pos = [p - 1 for a, b in s.spans for p in range(a, b)]
-            rows += [r] * len(pos)
-            cols += pos
-            dest += range(offsets[i], offsets[i] + len(pos))
-        if not dest:
+    for batch in _length_batches(sequences, batch_tokens):
+        packed = _padded_batch(sequences, batch, lay.offsets, device)
+        if packed is None:
             bar.update(len(batch))
             continue
-        rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-        dest_t = torch.tensor(dest)
-        ids, valid = ids.to(device), valid.to(device)
+        ids, valid, rows_t, cols_t, dest_t = packed
+        T = ids.shape[1]
         positions = torch.arange(T, device=device).expand(len(batch), T)
         cache = adapter.new_cache(len(batch))
         h = adapter.embed(ids, positions)
@@ -594,7 +638,8 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
             t_ids[d], t_logp[d], t_top[d] = ti.cpu(), tl.cpu(), tt.cpu()
         bar.update(len(batch))
     bar.close()
-    return Features(hidden, t_ids, t_logp, t_top, next_token, segment, seq_idx, category, held_out, cats)
+    return Features(hidden, t_ids, t_logp, t_top, lay.next_token, lay.segment, lay.sequence, lay.category,
+                    lay.held_out, lay.categories)
 
 
 # ---------------------------------------------------------------------------------------------------- heads
@@ -996,6 +1041,226 @@ def _train_size_curve(adapter, f: Features, tr, ev, config: ProbeConfig, trainab
     bar.close()
     curve["_seconds"] = round(time.perf_counter() - t0, 2)
     return curve
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoint heads
+EXIT_NAMES = ("draft", "verify")
+
+
+@torch.no_grad()
+def exit_head_predictions(model, sequences: list[Sequence], *, batch_tokens: int = 4096, chunk: int = 512,
+                          progress: bool = False) -> dict:
+    """Teacher-forced predictions of an `EarlyExitModel`'s own heads at every scored position of `sequences`.
+
+    One frozen pass per batch (right-padded, through `DecoderAdapter`) keeps the residual stream after the draft
+    and verifier layers; each head runs on it (a stateful `layer` head over the whole sequence with a fresh cache,
+    `ExitHead.run_layer_fresh`) and projects through `EarlyExitModel.project_exit`, so a reduced head vocabulary
+    is honoured (argmax and top-5 only ever inside it). Returns flat `[N]` tensors (CPU): `final` (the final
+    layer's argmax), `<exit>_top1` (the head's argmax), `<exit>_top5` (bool: final argmax within the head's top-5,
+    top-k capped at the head's vocabulary size), and the layout: `segment`, `sequence`, `category`, `categories`.
+    """
+    from tqdm.auto import tqdm
+
+    adapter = model.adapter
+    device = adapter.device
+    lay = _layout(sequences)
+    n = lay.n
+    exits = {name: getattr(model, f"{name}_layer") for name in EXIT_NAMES}
+    out = {"final": torch.empty(n, dtype=torch.long)}
+    for name in EXIT_NAMES:
+        out[f"{name}_top1"] = torch.empty(n, dtype=torch.long)
+        out[f"{name}_top5"] = torch.empty(n, dtype=torch.bool)
+    filled = torch.zeros(n, dtype=torch.bool)
+    bounds = sorted({0, adapter.num_layers, *exits.values()})
+    bar = tqdm(total=len(sequences), desc="evaluating heads", unit="seq", disable=not progress, dynamic_ncols=True)
+    for batch in _length_batches(sequences, batch_tokens):
+        packed = _padded_batch(sequences, batch, lay.offsets, device)
+        if packed is None:
+            bar.update(len(batch))
+            continue
+        ids, valid, rows_t, cols_t, dest_t = packed
+        T = ids.shape[1]
+        positions = torch.arange(T, device=device).expand(len(batch), T)
+        cache = adapter.new_cache(len(batch))
+        h = adapter.embed(ids, positions)
+        saved = {}
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            h = adapter.run_layers(h, a, b, position_ids=positions, cache=cache, valid=valid)
+            if b in exits.values():
+                saved[b] = h
+        del cache
+        final = h[rows_t, cols_t]
+        for c in range(0, final.shape[0], chunk):
+            out["final"][dest_t[c : c + chunk]] = adapter.final_logits(final[c : c + chunk]).float().argmax(-1).cpu()
+        for name, layer in exits.items():
+            head = model.heads[name]
+            if head.stateful:  # attends over the exit's previous positions: run it over the whole sequences
+                feats = head(saved[layer], head.run_layer_fresh(adapter, valid.long()))[rows_t, cols_t]
+            else:
+                feats = saved[layer][rows_t, cols_t]
+            k = min(5, head.vocab_size or adapter.vocab_size)
+            for c in range(0, feats.shape[0], chunk):
+                x = feats[c : c + chunk]
+                logits = model.project_exit(name, x if head.stateful else head(x)).float()
+                d = dest_t[c : c + chunk]
+                tt = out["final"][d].to(logits.device)
+                out[f"{name}_top1"][d] = logits.argmax(-1).cpu()
+                out[f"{name}_top5"][d] = (logits.topk(k, dim=-1).indices == tt[:, None]).any(-1).cpu()
+        filled[dest_t] = True
+        del saved, h
+        bar.update(len(batch))
+    bar.close()
+    if not bool(filled.all()):
+        raise ProbeError("internal error: some scored positions were not evaluated")
+    out.update(segment=lay.segment, sequence=lay.sequence, category=lay.category, categories=lay.categories)
+    return out
+
+
+def _share(mask: torch.Tensor, given: torch.Tensor | None = None) -> float | None:
+    """Mean of bool `mask` (over the positions where `given` holds); None when there are none."""
+    if given is not None:
+        mask = mask[given]
+    return _mean(mask)
+
+
+def hierarchy_figures(pred: dict, sel: torch.Tensor | None = None) -> dict:
+    """The intermediate verifier against the draft: `verify_agrees_draft` (share of draft tokens whose verifier-exit
+    argmax is the same token), `final_agrees_given_verify_agrees` (of those, the share the final layer keeps) and
+    `verify_agrees_given_final_agrees` (of the drafts the final layer would accept, the share the verifier passes)."""
+    d, v, t = pred["draft_top1"], pred["verify_top1"], pred["final"]
+    if sel is not None:
+        d, v, t = d[sel], v[sel], t[sel]
+    vd, fd = v == d, t == d
+    return {"verify_agrees_draft": _share(vd), "final_agrees_given_verify_agrees": _share(fd, vd),
+            "verify_agrees_given_final_agrees": _share(vd, fd)}
+
+
+@dataclass
+class HeadEvalResult:
+    """A checkpoint's own draft and verifier heads on held-out answers; lists are aligned with `exits`."""
+
+    model: dict
+    exits: list[str]
+    layers: list[int]
+    head_types: list[str]
+    vocab_sizes: list[int]  # the head's output vocabulary (the model's full vocabulary when not reduced)
+    reduced_vocab: list[bool]
+    vocab_coverage: list[float | None]  # share of final-layer argmaxes inside the head's vocabulary
+    top1: list[float | None]
+    top5: list[float | None]
+    tokens_per_pass: list[float | None]
+    iid_tokens_per_pass: list[float | None]
+    hierarchy: dict
+    categories: dict  # cat -> {"tokens", "top1": [d, v], "top5": [d, v], "tokens_per_pass": [d, v], **hierarchy}
+    gamma: int
+    sizes: dict
+    seconds: dict
+    config: dict = field(default_factory=dict)
+
+    def as_dict(self, full: bool = False) -> dict:
+        d = {
+            "mode": "eval-heads",
+            "model": self.model,
+            "exits": self.exits,
+            "layers": self.layers,
+            "head_types": self.head_types,
+            "vocab_sizes": self.vocab_sizes,
+            "reduced_vocab": self.reduced_vocab,
+            "vocab_coverage": self.vocab_coverage,
+            "top1": self.top1,
+            "top5": self.top5,
+            "tokens_per_pass": self.tokens_per_pass,
+            "iid_tokens_per_pass": self.iid_tokens_per_pass,
+            "gamma": self.gamma,
+            **self.hierarchy,
+            "categories": self.categories,
+            "sizes": self.sizes,
+            "config": self.config,
+            "seconds": self.seconds,
+        }
+        return _round(d)
+
+
+def evaluate_exit_heads(model, sequences: list[Sequence], *, gamma: int, batch_tokens: int = 4096,
+                        model_info: dict | None = None, sizes: dict | None = None, seconds: dict | None = None,
+                        config: dict | None = None, progress: bool = False) -> HeadEvalResult:
+    """Held-out top-1 / top-5 agreement with the final layer's argmax, E[tokens per full pass] for `gamma` drafts
+    (`tokens_per_pass`, as the probe computes it) and the hierarchy figures of an `EarlyExitModel`'s own heads,
+    overall and per category, on every scored position of `sequences`."""
+    t0 = time.perf_counter()
+    if not sequences or not any(s.n_scored for s in sequences):
+        raise ProbeError("no held-out positions to evaluate on")
+    pred = exit_head_predictions(model, sequences, batch_tokens=batch_tokens, progress=progress)
+    t_top, seg, cat = pred["final"], pred["segment"], pred["category"]
+    V = model.adapter.vocab_size
+    layers, types, vsizes, reduced, cover = [], [], [], [], []
+    top1, top5, tpp, iid = [], [], [], []
+    agree = {}
+    for name in EXIT_NAMES:
+        head = model.heads[name]
+        layers.append(int(getattr(model, f"{name}_layer")))
+        types.append(head.head_type)
+        vsizes.append(head.vocab_size or V)
+        reduced.append(head.vocab is not None)
+        cover.append(coverage(head.vocab.cpu(), t_top) if head.vocab is not None else 1.0)
+        agree[name] = pred[f"{name}_top1"] == t_top
+        top1.append(_mean(agree[name]))
+        top5.append(_mean(pred[f"{name}_top5"]))
+        tpp.append(tokens_per_pass(agree[name], seg, gamma))
+        iid.append(iid_tokens_per_pass(top1[-1], gamma))
+    cats = {}
+    for ci, c in enumerate(pred["categories"]):
+        sel = cat == ci
+        if not bool(sel.any()):
+            continue
+        cats[c] = {"tokens": int(sel.sum()),
+                   "top1": [_mean(agree[x][sel]) for x in EXIT_NAMES],
+                   "top5": [_mean(pred[f"{x}_top5"][sel]) for x in EXIT_NAMES],
+                   "tokens_per_pass": [tokens_per_pass(agree[x][sel], seg[sel], gamma) for x in EXIT_NAMES],
+                   **hierarchy_figures(pred, sel)}
+    secs = dict(seconds or {})
+    secs["eval"] = round(time.perf_counter() - t0, 2)
+    return HeadEvalResult(model=model_info or {}, exits=list(EXIT_NAMES), layers=layers, head_types=types,
+                          vocab_sizes=vsizes, reduced_vocab=reduced, vocab_coverage=cover, top1=top1, top5=top5,
+                          tokens_per_pass=tpp, iid_tokens_per_pass=iid, hierarchy=hierarchy_figures(pred),
+                          categories=cats, gamma=gamma, sizes=dict(sizes or {}), seconds=secs,
+                          config=dict(config or {}))
+
+
+def format_eval_table(r: HeadEvalResult) -> str:
+    """Fixed-width text: one row per exit head (layer, head type, vocabulary, top-1, top-5, tokens per full pass),
+    the verifier-vs-draft figures, then the same by category."""
+    s, m = r.sizes, r.model
+    lines = [
+        f"checkpoint {m.get('name', '?')} ({m.get('num_layers', '?')} layers, {m.get('dtype', '?')}); held-out "
+        f"{s.get('eval_items', 0)} items / {s.get('eval_sequences', 0)} sequences / {s.get('eval_tokens', 0):,} "
+        f"scored tokens",
+        f"held-out agreement of the checkpoint's heads with the final layer's argmax: top-1, top-5, E[tokens per "
+        f"full pass] for gamma={r.gamma}",
+        "",
+        f"{'exit':<8}{'layer':>6}  {'head type':<10}{'vocab':>8}{'top1':>8}{'top5':>8}{'tok/pass':>10}",
+    ]
+    for i, name in enumerate(r.exits):
+        vocab = f"{r.vocab_sizes[i]:,}" + ("*" if r.reduced_vocab[i] else "")
+        lines.append(f"{name:<8}{r.layers[i]:>6}  {r.head_types[i]:<10}{vocab:>8}{_f(r.top1[i]):>8}"
+                     f"{_f(r.top5[i]):>8}{_f(r.tokens_per_pass[i], '{:.2f}'):>10}")
+    if any(r.reduced_vocab):
+        lines.append("* reduced vocabulary; final-layer argmax inside it: " + ", ".join(
+            f"{name} {_f(c)}" for name, c, red in zip(r.exits, r.vocab_coverage, r.reduced_vocab) if red))
+    h = r.hierarchy
+    lines += ["", f"verifier exit agrees with the draft on {_f(h['verify_agrees_draft'])} of draft tokens; the final "
+              f"layer agrees with {_f(h['final_agrees_given_verify_agrees'])} of those; the verifier passes "
+              f"{_f(h['verify_agrees_given_final_agrees'])} of the drafts the final layer accepts"]
+    if r.categories:
+        lines += ["", "by category",
+                  f"{'category':<16}{'tokens':>7}{'draft top1':>12}{'verify top1':>13}{'draft t/p':>11}"
+                  f"{'verify t/p':>12}{'verify=draft':>14}"]
+        for c in sorted(r.categories):
+            d = r.categories[c]
+            lines.append(f"{c[:15]:<16}{d['tokens']:>7}{_f(d['top1'][0]):>12}{_f(d['top1'][1]):>13}"
+                         f"{_f(d['tokens_per_pass'][0], '{:.2f}'):>11}{_f(d['tokens_per_pass'][1], '{:.2f}'):>12}"
+                         f"{_f(d['verify_agrees_draft']):>14}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------- output

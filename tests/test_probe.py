@@ -300,3 +300,223 @@ def test_bad_input_exit_2(model_dir, tmp_path, capsys, monkeypatch, extra, messa
         rc, err = e.code, capsys.readouterr().err
     assert rc == 2
     assert message in err
+
+
+# ---------------------------------------------------------------------------------------------------- --eval-heads
+def _perturbed_checkpoint(folder, path, draft, verify, head_type, *, scale, seed, gamma=4, vocab=None):
+    """A hispec checkpoint of the tiny model with heads that differ from the base and from each other; `vocab`
+    maps an exit to a reduced output vocabulary."""
+    import hispec
+
+    model = hispec.EarlyExitModel.from_base(str(folder), draft, verify, head_type, gamma=gamma)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    for name, ids in (vocab or {}).items():
+        model.set_exit_vocab(name, ids)
+    return model.save(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        # linear heads, the draft restricted to every third token id (33 of 97)
+        "linear": _perturbed_checkpoint(model_dir, root / "linear", 2, 4, "linear", scale=0.03, seed=1, gamma=3,
+                                        vocab={"draft": list(range(0, 97, 3))}),
+        # layer heads (stateful: attention over the exit's previous positions); the verifier restricted to 3 tokens
+        # (the final layer's three most frequent argmaxes on these prompts)
+        "layer": _perturbed_checkpoint(model_dir, root / "layer", 2, 3, "layer", scale=0.01, seed=2,
+                                       vocab={"verify": [19, 44, 51]}),
+    }
+
+
+@torch.no_grad()
+def _independent_eval(ckpt, prompts, max_new_tokens, gamma):
+    """The figures of --eval-heads recomputed one prompt at a time: the base model's greedy answer (HF generate),
+    then teacher-forced argmaxes of the final layer and of each head over prompt + answer (heads projected on the
+    full vocabulary, restricted to the head's ids by hand)."""
+    import hispec
+
+    model = hispec.load(ckpt)
+    tok, ad, V = model.tokenizer, model.adapter, model.adapter.vocab_size
+    eos = probe.eos_ids(model.base, tok)
+    N = ad.num_layers
+    per = []  # (category, final, {exit: (argmax, top5 hit, unrestricted argmax)})
+    for rec in prompts:
+        ids = probe.render_messages(tok, [{"role": "user", "content": rec["prompt"]}], True)
+        x = torch.tensor([ids])
+        gen = model.base.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos)
+        new = gen[0, len(ids):].tolist()
+        cut = next((j for j, t in enumerate(new) if t in eos), None)
+        new = new if cut is None else new[: cut + 1]
+        seq = torch.tensor([ids + new])
+        pos = torch.arange(len(ids) - 1, seq.shape[1] - 1)  # position p predicts token p + 1 (the answer's)
+        _, saved = ad.forward_all(seq, torch.arange(seq.shape[1])[None], ad.new_cache(1),
+                                  exits=(model.draft_layer, model.verify_layer, N))
+        final = ad.final_logits(saved[N][0, pos]).argmax(-1)
+        heads = {}
+        for name, layer in (("draft", model.draft_layer), ("verify", model.verify_layer)):
+            head = model.heads[name]
+            if head.stateful:
+                feats = head(saved[layer], head.run_layer_fresh(ad))[0, pos]
+            else:
+                feats = head(saved[layer][0, pos])
+            logits = ad.project(feats).float()
+            free = logits.argmax(-1)
+            if head.vocab is not None:
+                allowed = torch.zeros(V, dtype=torch.bool)
+                allowed[head.vocab] = True
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            k = min(5, head.vocab_size or V)
+            heads[name] = (logits.argmax(-1), (logits.topk(k, -1).indices == final[:, None]).any(-1), free)
+        per.append((rec["category"], final, heads))
+
+    def figures(rows):
+        out = {}
+        for name in ("draft", "verify"):
+            agree = [h[name][0] == f for _, f, h in rows]
+            tokens = passes = 0
+            for a in agree:
+                t, p = probe.simulate_rounds(a.tolist(), gamma)
+                tokens, passes = tokens + t, passes + p
+            out[name] = {"top1": float(torch.cat(agree).float().mean()),
+                         "top5": float(torch.cat([h[name][1] for _, _, h in rows]).float().mean()),
+                         "tokens_per_pass": tokens / passes,
+                         "free_top1": float(torch.cat([h[name][2] == f for _, f, h in rows]).float().mean())}
+        d = torch.cat([h["draft"][0] for _, _, h in rows])
+        v = torch.cat([h["verify"][0] for _, _, h in rows])
+        t = torch.cat([f for _, f, _ in rows])
+        out["verify_agrees_draft"] = float((v == d).float().mean())
+        out["final_agrees_given_verify_agrees"] = float((t == d)[v == d].float().mean()) if (v == d).any() else None
+        out["verify_agrees_given_final_agrees"] = float((v == d)[t == d].float().mean()) if (t == d).any() else None
+        out["tokens"] = int(t.numel())
+        out["final"] = t
+        return out
+
+    cats = sorted({c for c, _, _ in per})
+    return figures(per), {c: figures([r for r in per if r[0] == c]) for c in cats}, model
+
+
+def _approx(x):
+    return pytest.approx(x, abs=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "layer"])
+def test_eval_heads_matches_an_independent_teacher_forced_computation(model_dir, checkpoints, tmp_path, capsys, kind):
+    ckpt = checkpoints[kind]
+    data = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    gamma = 3 if kind == "linear" else 2  # linear: the checkpoint's own gamma (3); layer: --gamma 2
+    argv = ["--model", ckpt, "--eval-heads", "--eval-data", data, "--max-new-tokens", "10", "--gen-batch-size", "1",
+            "--feature-batch-tokens", "1", "--cache-dir", tmp_path / "cache", "--json-out", tmp_path / "out.json",
+            "--no-progress"] + (["--gamma", "2"] if kind == "layer" else [])
+    rc, out, err = _run(capsys, argv)
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    exp, exp_cats, model = _independent_eval(ckpt, PROMPTS, 10, gamma)
+
+    assert res["mode"] == "eval-heads" and res["exits"] == ["draft", "verify"]
+    assert res["layers"] == [model.draft_layer, model.verify_layer] == ([2, 4] if kind == "linear" else [2, 3])
+    assert res["head_types"] == [kind, kind] and res["gamma"] == gamma
+    assert res["config"]["gamma_from"] == ("checkpoint" if kind == "linear" else "--gamma")
+    assert res["sizes"]["eval_items"] == 6 and res["sizes"]["eval_tokens"] == exp["tokens"]
+    assert res["sizes"]["generated"] == 6
+    for i, name in enumerate(("draft", "verify")):
+        assert res["top1"][i] == _approx(exp[name]["top1"]), name
+        assert res["top5"][i] == _approx(exp[name]["top5"]), name
+        assert res["tokens_per_pass"][i] == _approx(exp[name]["tokens_per_pass"]), name
+        assert res["iid_tokens_per_pass"][i] == _approx(probe.iid_tokens_per_pass(res["top1"][i], gamma))
+    for key in ("verify_agrees_draft", "final_agrees_given_verify_agrees", "verify_agrees_given_final_agrees"):
+        assert res[key] == _approx(exp[key]), key
+    # the figures have teeth: neither head always or never agrees, and neither does the verifier with the draft
+    assert all(0 < v < 1 for v in res["top1"]) and all(v > 1 for v in res["tokens_per_pass"])
+    assert 0 < res["verify_agrees_draft"] < 1
+    assert sorted(res["categories"]) == sorted(exp_cats) == ["math", "writing"]
+    for c, e in exp_cats.items():
+        got = res["categories"][c]
+        assert got["tokens"] == e["tokens"]
+        assert got["top1"] == [_approx(e["draft"]["top1"]), _approx(e["verify"]["top1"])]
+        assert got["top5"] == [_approx(e["draft"]["top5"]), _approx(e["verify"]["top5"])]
+        assert got["tokens_per_pass"] == [_approx(e["draft"]["tokens_per_pass"]),
+                                          _approx(e["verify"]["tokens_per_pass"])]
+        assert got["verify_agrees_draft"] == _approx(e["verify_agrees_draft"])
+
+    # the reduced vocabulary is honoured: sizes reported, agreement computed inside the set (which differs here
+    # from the unrestricted head's), top-5 capped at the set's size
+    reduced = 0 if kind == "linear" else 1
+    vocab = model.heads[res["exits"][reduced]].vocab
+    assert res["vocab_sizes"] == ([33, 97] if kind == "linear" else [97, 3])
+    assert res["reduced_vocab"] == [reduced == 0, reduced == 1]
+    cover = float(torch.isin(exp["final"], vocab).float().mean())
+    assert res["vocab_coverage"][reduced] == _approx(cover) and res["vocab_coverage"][1 - reduced] == 1.0
+    e = exp[res["exits"][reduced]]
+    assert e["top1"] != _approx(e["free_top1"])
+    assert res["top1"][reduced] <= res["top5"][reduced] <= res["vocab_coverage"][reduced] + 1e-9
+    if kind == "layer":
+        assert res["top5"][1] == _approx(cover)  # 3 tokens: "top-5" is the whole set
+
+    # the table, --json-out, and the model info
+    assert "draft" in out and "verify" in out and "by category" in out and "tok/pass" in out
+    assert "reduced vocabulary" in out and "verifier exit agrees with the draft" in out
+    assert json.loads((tmp_path / "out.json").read_text())["top1"] == res["top1"]
+    assert res["model"]["head_type"] == kind and res["model"]["checkpoint"] is True
+
+    # default batching (right-padded batches, chunked projections) gives the same figures up to float noise
+    i = argv.index("--feature-batch-tokens")
+    rc, out2, err2 = _run(capsys, argv[:i] + argv[i + 2 :])
+    assert rc == 0, err2
+    res2 = json.loads(out2.strip().splitlines()[-1])
+    assert res2["sizes"]["generated"] == 0 and res2["sizes"]["cached"] == 6  # answers came from the cache
+    assert res2["top1"] == pytest.approx(res["top1"], abs=0.02)
+    assert res2["verify_agrees_draft"] == pytest.approx(res["verify_agrees_draft"], abs=0.02)
+
+
+def test_checkpoint_base_shares_cached_answers_with_the_plain_base(model_dir, checkpoints):
+    import hispec
+
+    plain = probe.model_fingerprint(hispec.load_base_model(str(model_dir)))
+    assert probe.model_fingerprint(hispec.load(checkpoints["linear"]).base) == plain
+    assert probe.model_fingerprint(hispec.load_base_model(str(checkpoints["layer"]))) == plain
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model", "PLAIN"], "not a hispec checkpoint"),
+    (["--model", "NOHEADS"], "has no hispec_heads.safetensors"),
+    (["--model", "FILE"], "not a hispec checkpoint folder"),
+    (["--model", "/nonexistent/ckpt"], "does not exist"),
+    (["--no-eval-data"], "needs held-out data"),
+    (["--layers", "2"], "--layers does not apply"),
+    (["--head-types", "linear"], "--head-types does not apply"),
+    (["--steps", "10"], "--steps does not apply"),
+    (["--layers", "2", "--steps", "0", "--data", "DATA"], "--data, --layers, --steps do not apply"),
+    (["--eval-data", "MISSING.jsonl"], "does not exist"),
+    (["--eval-data", "EMPTY"], "no usable"),
+    (["--gamma", "0"], "--gamma must be >= 1"),
+])
+def test_eval_heads_bad_input_exit_2(model_dir, checkpoints, tmp_path, capsys, monkeypatch, extra, message):
+    import shutil
+
+    import hispec.model
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded on bad input")
+
+    monkeypatch.setattr(hispec.model, "load_base_model", no_load)
+    monkeypatch.setattr(hispec.model, "load", no_load)
+    data = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    noheads = tmp_path / "noheads"
+    shutil.copytree(checkpoints["linear"], noheads)
+    (noheads / "hispec_heads.safetensors").unlink()
+    subst = {"PLAIN": model_dir, "NOHEADS": noheads, "FILE": data, "DATA": data, "EMPTY": empty,
+             "MISSING.jsonl": tmp_path / "missing.jsonl"}
+    eval_data = [] if "--no-eval-data" in extra else ["--eval-data", data]
+    extra = [subst.get(x, x) for x in extra if x != "--no-eval-data"]
+    argv = ["--model", checkpoints["linear"], "--eval-heads", *eval_data, "--no-progress", "--no-cache", *extra]
+    rc, out, err = _run(capsys, argv)
+    assert rc == 2
+    assert message in err
+    assert out == ""

@@ -39,6 +39,11 @@ TRAIN_INFO_FILE = "hispec_train.json"
 SPEC_BENCH = Path("eval") / "spec_bench_question.jsonl"
 STRATEGIES = "hf,hf-early-exit,self-spec,hispec"
 # A short run of the recipe (its header's "quick check", a little longer): ~10-15 min on 2 idle cores.
+# Export options: 8k-token output vocabularies for both exit heads (the full 49k-row lm_head costs ~4 decoder layers
+# here, 8k rows ~0.3; coverage of SmolLM2's own answer tokens 0.87) and the decoding defaults that were fastest in
+# the README's measurements with these weak heads (tools/cost_model.py explains why a small gamma wins).
+DRAFT_VOCAB = VERIFY_VOCAB = 8192
+GAMMA, WINDOW = 2, 4
 SHORT_RUN = ["--max_samples_per_file", "48", "--gen_max_new_tokens", "96", "--eval_steps", "0",
              "--checkpointing_steps", "0"]
 
@@ -129,11 +134,13 @@ def train_heads(model_dir: Path, cache: Path, max_steps: int, extra: list[str], 
     return out_dir
 
 
-def export_checkpoint(train_dir: Path, model_dir: Path, cache: Path) -> Path:
-    """hispec-export into <cache>/demo-hispec, unless that folder was exported from these very heads and base."""
+def export_checkpoint(train_dir: Path, model_dir: Path, cache: Path, export_args: list[str] = ()) -> Path:
+    """hispec-export into <cache>/demo-hispec, unless that folder was exported from these very heads, base and
+    export options (`export_args`: reduced vocabularies, decoding defaults)."""
     out_dir = cache / "demo-hispec"
     source = {"heads_sha256": _sha256(train_dir / HEADS_FILE),
-              "train_info_sha256": _sha256(train_dir / TRAIN_INFO_FILE), "base": str(model_dir)}
+              "train_info_sha256": _sha256(train_dir / TRAIN_INFO_FILE), "base": str(model_dir),
+              "export_args": list(export_args)}
     stamp = cache / "demo-hispec.source.json"
     if (out_dir / HEADS_FILE).is_file() and stamp.is_file() and json.loads(stamp.read_text()) == source:
         log(f"reusing the checkpoint exported earlier from the same heads: {out_dir}")
@@ -143,7 +150,8 @@ def export_checkpoint(train_dir: Path, model_dir: Path, cache: Path) -> Path:
     stamp.unlink(missing_ok=True)
     log(f"exporting {train_dir} -> {out_dir}")
     with contextlib.redirect_stdout(sys.stderr):
-        rc = export_main([str(train_dir), "--output-dir", str(out_dir), "--overwrite", "--base", str(model_dir)])
+        rc = export_main([str(train_dir), "--output-dir", str(out_dir), "--overwrite", "--base", str(model_dir),
+                          *export_args])
     if rc != 0:
         raise DemoError(f"hispec-export failed (exit status {rc}); see the message above")
     stamp.write_text(json.dumps(source) + "\n")
@@ -171,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "but speculative outputs may part from hf at rounding-level near-ties)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--strategies", default=STRATEGIES, help=f"strategies to compare (default {STRATEGIES})")
+    p.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB,
+                   help=f"reduced output vocabulary of the exported draft head (default {DRAFT_VOCAB}; 0 = full)")
+    p.add_argument("--verify-vocab-size", type=int, default=VERIFY_VOCAB,
+                   help=f"the same for the verifier head (default {VERIFY_VOCAB}; 0 = full)")
+    p.add_argument("--gamma", type=int, default=GAMMA, help=f"decoding default written at export (default {GAMMA})")
+    p.add_argument("--window", type=int, default=WINDOW, help=f"decoding default written at export (default {WINDOW})")
     return p
 
 
@@ -199,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"    no shipped heads in {SHIPPED_HEADS.relative_to(REPO)}/: a short training run instead")
             train_dir = train_heads(model_dir, cache, args.max_steps, args.train_arg, force=args.retrain)
         log("3/4 export")
-        ckpt = export_checkpoint(train_dir, model_dir, cache)
+        export_args = ["--draft-vocab-size", str(args.draft_vocab_size), "--verify-vocab-size",
+                       str(args.verify_vocab_size), "--gamma", str(args.gamma), "--window", str(args.window)]
+        ckpt = export_checkpoint(train_dir, model_dir, cache, export_args)
     except DemoError as e:
         log(f"error: {e}")
         return 3

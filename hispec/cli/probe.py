@@ -7,6 +7,8 @@
         --plot probe.png --json-out probe.json
     hispec-probe --model M --data chats.jsonl --eval-fraction 0.1 --draft-vocab-sizes 8192,16384
     hispec-probe --model M --data prompts.jsonl --layers 4,8 --head-types linear --train-sizes 5000,20000,80000
+    hispec-probe --model runs/ckpt --eval-heads --eval-data ../shared/data/eval/spec_bench_question.jsonl \\
+        --max-eval-prompts 48 --max-new-tokens 96 --json-out heads.json
 
 Data (--data, --eval-data): any prompt file hispec understands (Spec-Bench / MT-Bench question.jsonl, ShareGPT
 json, jsonl/json with a prompt / text / instruction / question field, .txt one prompt a line); jsonl/json records
@@ -22,6 +24,15 @@ steps by forward KL against the final layer's top-64 + rest bucket): top-1 agree
 tokens per full-model pass of greedy self-speculation with --gamma drafts (from the measured agree/disagree runs).
 Prints a table, then one JSON line (the results) as the last line of stdout; progress goes to stderr.
 Exit status: 0; 2 on bad input (checked before any model work).
+
+--eval-heads: --model is a hispec checkpoint (hispec.load: a folder saved by EarlyExitModel.save / hispec-export);
+instead of training probe heads, its own two heads are evaluated at their own exits (draft at draft_layer, verifier
+at verify_layer; any head type, `layer` heads included; a reduced head vocabulary is honoured) on the --eval-data
+prompts answered greedily by the checkpoint's base model (cached like the probe's answers, shared with a probe of the
+plain base): top-1 / top-5 agreement with the final layer's argmax, tokens per full pass for --gamma (default: the
+checkpoint's own gamma), the share of draft tokens the verifier exit agrees with (draft argmax == verifier argmax),
+overall and per category. Prints a table (rows draft, verify), a per-category table and the JSON line ("mode":
+"eval-heads"). Training options (--data, --layers, --head-types, --steps, ...) are refused in this mode.
 """
 
 from __future__ import annotations
@@ -57,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="fp32", help="dtype of the probe pass and head training (default fp32)")
     m.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    m.add_argument("--eval-heads", action="store_true", help="--model is a hispec checkpoint: evaluate its own draft "
+                   "and verifier heads on --eval-data instead of training probe heads (see below)")
     d = p.add_argument_group("data")
-    d.add_argument("--data", nargs="+", required=True, metavar="FILE", help="training (and, without --eval-data, "
-                   "held-out) data files")
+    d.add_argument("--data", nargs="+", metavar="FILE", help="training (and, without --eval-data, held-out) data "
+                   "files (required unless --eval-heads)")
     d.add_argument("--eval-data", nargs="+", metavar="FILE", help="held-out data files (e.g. Spec-Bench questions)")
     d.add_argument("--eval-fraction", type=float, default=0.2,
                    help="without --eval-data: share of --data's prompts held out (default 0.2)")
@@ -91,14 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     r.add_argument("--batch-tokens", type=int, default=512, help="positions per training step (default 512)")
     r.add_argument("--top-k", type=int, default=64, help="teacher tokens kept per position (default 64)")
-    r.add_argument("--gamma", type=int, default=4, help="drafts per round for tokens per full pass (default 4)")
+    r.add_argument("--gamma", type=int, default=4, help="drafts per round for tokens per full pass (default 4; with "
+                   "--eval-heads the checkpoint's gamma)")
     r.add_argument("--draft-vocab-sizes", type=_ints, help="also report agreement with the draft argmax restricted "
                    "to the K most frequent tokens, e.g. 8192,16384")
     r.add_argument("--train-sizes", type=_ints, help="agreement-vs-training-tokens curve, e.g. 5000,20000,80000")
     r.add_argument("--train-size-layers", help="layers for the curve (default: all --layers)")
     r.add_argument("--feature-dtype", default="bf16", help="storage dtype of exit hidden states (default bf16)")
     r.add_argument("--feature-batch-tokens", type=int, default=4096,
-                   help="padded tokens per frozen forward batch (default 4096)")
+                   help="padded tokens per frozen forward batch, also with --eval-heads (default 4096)")
     r.add_argument("--seed", type=int, default=0, help="seed for the split, batches and head init (default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--json-out", help="write the full results (with loss curves) to this JSON file")
@@ -175,9 +189,202 @@ def _log(msg: str) -> None:
     print(f"[hispec-probe] {msg}", file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------------------------------------------- --eval-heads
+_UNSET = object()
+# options that only shape probe-head training / the probe's own outputs: meaningless when a checkpoint's heads are
+# evaluated, so refused rather than silently ignored
+EVAL_HEADS_REFUSED = ("data", "eval_fraction", "max_prompts", "allow_eval_sets_for_training", "layers", "head_types",
+                      "rank", "steps", "lr", "batch_tokens", "top_k", "draft_vocab_sizes", "train_sizes",
+                      "train_size_layers", "feature_dtype", "seed", "plot")
+
+
+def _explicit_options(argv, dests) -> set[str]:
+    """The dests of the options given on the command line (a second parse with every default unset)."""
+    p = build_parser()
+    p.set_defaults(**{k: _UNSET for k in dests})
+    return {k for k, v in vars(p.parse_args(argv)).items() if v is not _UNSET}
+
+
+def _checkpoint_entry(model: str) -> dict | None:
+    """The 'hispec' entry of a local checkpoint folder's config.json, checked without loading anything; None for a
+    Hub id (checked when it is loaded). Raises ProbeError / CheckpointError for anything that is no checkpoint."""
+    from ..model import HEADS_FILE, HispecConfig, validate_exits
+    from ..probe import ProbeError
+
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        raise ProbeError(f"{model} is a GGUF base model, not a hispec checkpoint; --eval-heads needs a checkpoint "
+                         "folder (EarlyExitModel.save / hispec-export); to probe the plain model drop --eval-heads")
+    if path.exists() and not path.is_dir():
+        raise ProbeError(f"{model} is a file, not a hispec checkpoint folder")
+    if not path.is_dir():
+        return None
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ProbeError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "hispec" not in data:
+        raise ProbeError(f"{model} is not a hispec checkpoint: its config.json has no 'hispec' entry (a plain model). "
+                         "--eval-heads evaluates the heads of a checkpoint saved by EarlyExitModel.save or "
+                         "hispec-export; to probe a plain model drop --eval-heads and pass --data")
+    entry = data["hispec"]
+    hconf = HispecConfig.from_dict(entry)
+    if not (path / HEADS_FILE).is_file():
+        raise ProbeError(f"{model} has no {HEADS_FILE}: not a complete hispec checkpoint")
+    text = data.get("text_config", data) if "num_hidden_layers" not in data else data
+    if text.get("num_hidden_layers"):
+        validate_exits(hconf.draft_layer, hconf.verify_layer, int(text["num_hidden_layers"]))
+    return entry
+
+
+def _eval_heads_problem(args, explicit: set[str]) -> str | None:
+    given = [f"--{k.replace('_', '-')}" for k in EVAL_HEADS_REFUSED if k in explicit]
+    if given:
+        return (f"--eval-heads evaluates the checkpoint's own heads at its own exits and trains nothing: "
+                f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply; drop "
+                f"{'it' if len(given) == 1 else 'them'} (held-out data goes in --eval-data)")
+    if not args.eval_data:
+        return "--eval-heads needs held-out data: pass --eval-data FILE..."
+    return None
+
+
+def _main_eval_heads(args, explicit: set[str]) -> int:
+    problem = _eval_heads_problem(args, explicit) or _check_args(args)
+    if problem:
+        print(f"hispec-probe: error: {problem}", file=sys.stderr)
+        return 2
+
+    from .. import probe
+    from ..io import parse_dtype
+
+    t_start = time.perf_counter()
+    try:
+        # ---- everything that can be checked without the model
+        dtype = parse_dtype(args.dtype)
+        gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
+        problem = _check_model_path(args.model)
+        if problem:
+            raise probe.ProbeError(problem)
+        entry = _checkpoint_entry(args.model)
+        for f in args.eval_data:
+            if not Path(f).is_file():
+                raise probe.ProbeError(f"data file {f} does not exist")
+        eval_all = [it for f in args.eval_data for it in probe.read_items(f, args.raw_text)]
+    except (probe.ProbeError, ValueError, OSError) as e:
+        print(f"hispec-probe: error: {e}", file=sys.stderr)
+        return 2
+
+    import torch
+    import transformers
+
+    from ..model import load, load_tokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = not args.no_progress
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    seconds = {}
+    try:
+        tokenizer = load_tokenizer(args.model, revision=args.revision)
+        if tokenizer is None and entry and entry.get("heads_only") and entry.get("base", {}).get("name_or_path"):
+            tokenizer = load_tokenizer(entry["base"]["name_or_path"], entry["base"].get("revision"))
+        if tokenizer is None:
+            raise probe.ProbeError(f"no tokenizer could be loaded for {args.model} (no tokenizer files, or not "
+                                   "reachable); the evaluation tokenizes text data and needs one")
+        prepared: dict[int, probe.Prepared] = {}
+        rejected = [0]
+
+        def accept(item):
+            if id(item) not in prepared:
+                p = probe.prepare_item(tokenizer, item, max_prompt_tokens=args.max_prompt_tokens,
+                                       max_seq_len=args.max_seq_len, chat=not args.no_chat, held_out=True)
+                if p is None:
+                    rejected[0] += 1
+                    return False
+                prepared[id(item)] = p
+            return True
+
+        eval_items = probe.select_items(eval_all, args.max_eval_prompts, accept)
+        if not eval_items:
+            raise probe.ProbeError("no usable held-out items in --eval-data (all too long or empty?)")
+        preps = [prepared[id(it)] for it in eval_items]
+        _log(f"{len(eval_items)} held-out items ({rejected[0]} skipped as too long or empty)")
+
+        # ---- the checkpoint
+        _log(f"loading checkpoint {args.model} ({args.dtype}, {device})")
+        model = load(args.model, dtype=dtype, device=device, revision=args.revision)
+        hc = model.hispec_config
+        gamma = args.gamma if "gamma" in explicit else hc.gamma
+        base = model.base
+
+        # ---- answers, by the base model
+        t0 = time.perf_counter()
+        gen_name = str(gen_dtype or base.dtype).replace("torch.", "")
+        fp = probe.model_fingerprint(base)
+        cache = probe.AnswerCache(None if args.no_cache else args.cache_dir, fp, gen_name)
+        holder = {}
+
+        def get_model():
+            if gen_dtype is None or gen_dtype == base.dtype:
+                return base
+            _log(f"loading a {gen_name} copy for generation")
+            holder["m"] = load(args.model, dtype=gen_dtype, device=device, revision=args.revision).base
+            return holder["m"]
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        counts = probe.answer_prompts(preps, cache, get_model, max_new_tokens=args.max_new_tokens,
+                                      max_seq_len=args.max_seq_len, eos=probe.eos_ids(base, tokenizer), pad_id=pad,
+                                      batch_size=args.gen_batch_size, progress=progress)
+        holder.clear()
+        seconds["generate"] = round(time.perf_counter() - t0, 2)
+        _log(f"answers: {counts['generated']} generated, {counts['cached']} from cache"
+             + (f" ({cache.path})" if cache.path else ""))
+        sequences = [s for p in preps for s in p.sequences]
+        for s in sequences:
+            s.held_out = True
+        if not any(s.n_scored for s in sequences):
+            raise probe.ProbeError("no held-out sequence has anything to score")
+
+        # ---- the heads
+        ad = model.adapter
+        sizes = {"eval_items": len(eval_items), "eval_sequences": len(sequences),
+                 "eval_tokens": sum(s.n_scored for s in sequences), "generated": counts["generated"],
+                 "cached": counts["cached"], "skipped": rejected[0],
+                 "categories": len({s.category for s in sequences if s.n_scored})}
+        _log(f"{sizes['eval_tokens']:,} held-out positions; evaluating the {hc.head_type} heads at layers "
+             f"{hc.draft_layer} (draft) and {hc.verify_layer} (verify)")
+        model_info = {"name": Path(str(args.model)).name or str(args.model), "path": str(args.model),
+                      "checkpoint": True, "base": hc.base.get("name_or_path"), "num_layers": ad.num_layers,
+                      "hidden_size": ad.hidden_size, "vocab_size": ad.vocab_size,
+                      "dtype": str(base.dtype).replace("torch.", ""), "gen_dtype": gen_name, "device": device,
+                      "fingerprint": fp[:16], "draft_layer": hc.draft_layer, "verify_layer": hc.verify_layer,
+                      "head_type": hc.head_type, "checkpoint_gamma": hc.gamma}
+        config = {"gamma_from": "--gamma" if "gamma" in explicit else "checkpoint",
+                  "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len, "chat": not args.no_chat,
+                  "batch_tokens": args.feature_batch_tokens}
+        result = probe.evaluate_exit_heads(model, sequences, gamma=gamma, batch_tokens=args.feature_batch_tokens,
+                                           model_info=model_info, sizes=sizes, seconds=seconds, config=config,
+                                           progress=progress)
+    except (probe.ProbeError, ValueError, FileNotFoundError, OSError) as e:
+        print(f"hispec-probe: error: {e}", file=sys.stderr)
+        return 2
+    result.seconds["total"] = round(time.perf_counter() - t_start, 2)
+    print(probe.format_eval_table(result), flush=True)
+    if args.json_out:
+        _write_json(args.json_out, result.as_dict(full=True))
+    print(json.dumps(result.as_dict()), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.eval_heads:
+        return _main_eval_heads(args, _explicit_options(argv, vars(args)))
+    if not args.data:
+        parser.error("the following arguments are required: --data (or --eval-heads to evaluate a checkpoint's "
+                     "own heads on --eval-data)")
     problem = _check_args(args)
     if problem:
         parser.error(problem)
