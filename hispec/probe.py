@@ -597,14 +597,42 @@ def _padded_batch(sequences: list[Sequence], batch: list[int], offsets: list[int
             torch.tensor(dest))
 
 
+def _frozen_passes(adapter, sequences: list[Sequence], offsets, layers, batch_tokens: int, desc: str,
+                   progress: bool):
+    """One frozen pass per length batch, shared by the probe and `--eval-heads`. Yields `(valid [B, T], rows, cols,
+    dest, saved {layer: [B, T, H]}, final [n_scored, H])`: the residual stream after each of `layers`, and the last
+    layer's output at the scored positions (`rows`, `cols`) that go to flat indices `dest`. Final logits are left
+    to the caller, chunked over scored positions only (a `[B, T, V]` tensor would not fit for long batches)."""
+    from tqdm.auto import tqdm
+
+    device = adapter.device
+    bounds = sorted({0, adapter.num_layers, *layers})
+    bar = tqdm(total=len(sequences), desc=desc, unit="seq", disable=not progress, dynamic_ncols=True)
+    for batch in _length_batches(sequences, batch_tokens):
+        packed = _padded_batch(sequences, batch, offsets, device)
+        if packed is not None:
+            ids, valid, rows_t, cols_t, dest_t = packed
+            T = ids.shape[1]
+            positions = torch.arange(T, device=device).expand(len(batch), T)
+            cache = adapter.new_cache(len(batch))
+            h = adapter.embed(ids, positions)
+            saved = {}
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                h = adapter.run_layers(h, a, b, position_ids=positions, cache=cache, valid=valid)
+                if b in layers:
+                    saved[b] = h
+            del cache
+            yield valid, rows_t, cols_t, dest_t, saved, h[rows_t, cols_t]
+            del saved, h
+        bar.update(len(batch))
+    bar.close()
+
+
 @torch.no_grad()
 def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, top_k: int = DEFAULT_TOP_K,
                      batch_tokens: int = 4096, feature_dtype=torch.bfloat16, chunk: int = 512,
                      progress: bool = False) -> Features:
     """One frozen pass over every sequence (see module docstring)."""
-    from tqdm.auto import tqdm
-
-    device = adapter.device
     lay = _layout(sequences)
     n = lay.n
     H = adapter.hidden_size
@@ -614,30 +642,14 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
     t_logp = torch.empty(n, k, dtype=torch.float32)
     t_top = torch.empty(n, dtype=torch.long)
 
-    bounds = sorted({0, adapter.num_layers, *layers})
-    bar = tqdm(total=len(sequences), desc="frozen forward", unit="seq", disable=not progress, dynamic_ncols=True)
-    for batch in _length_batches(sequences, batch_tokens):
-        packed = _padded_batch(sequences, batch, lay.offsets, device)
-        if packed is None:
-            bar.update(len(batch))
-            continue
-        ids, valid, rows_t, cols_t, dest_t = packed
-        T = ids.shape[1]
-        positions = torch.arange(T, device=device).expand(len(batch), T)
-        cache = adapter.new_cache(len(batch))
-        h = adapter.embed(ids, positions)
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            h = adapter.run_layers(h, a, b, position_ids=positions, cache=cache, valid=valid)
-            if b in hidden:
-                hidden[b][dest_t] = h[rows_t, cols_t].to("cpu", feature_dtype)
-        del cache
-        final = h[rows_t, cols_t]
+    for _, rows_t, cols_t, dest_t, saved, final in _frozen_passes(adapter, sequences, lay.offsets, layers,
+                                                                  batch_tokens, "frozen forward", progress):
+        for b, h in saved.items():
+            hidden[b][dest_t] = h[rows_t, cols_t].to("cpu", feature_dtype)
         for c in range(0, final.shape[0], chunk):
             ti, tl, tt = teacher_targets(adapter.final_logits(final[c : c + chunk]), k)
             d = dest_t[c : c + chunk]
             t_ids[d], t_logp[d], t_top[d] = ti.cpu(), tl.cpu(), tt.cpu()
-        bar.update(len(batch))
-    bar.close()
     return Features(hidden, t_ids, t_logp, t_top, lay.next_token, lay.segment, lay.sequence, lay.category,
                     lay.held_out, lay.categories)
 
@@ -1059,10 +1071,7 @@ def exit_head_predictions(model, sequences: list[Sequence], *, batch_tokens: int
     layer's argmax), `<exit>_top1` (the head's argmax), `<exit>_top5` (bool: final argmax within the head's top-5,
     top-k capped at the head's vocabulary size), and the layout: `segment`, `sequence`, `category`, `categories`.
     """
-    from tqdm.auto import tqdm
-
     adapter = model.adapter
-    device = adapter.device
     lay = _layout(sequences)
     n = lay.n
     exits = {name: getattr(model, f"{name}_layer") for name in EXIT_NAMES}
@@ -1071,25 +1080,8 @@ def exit_head_predictions(model, sequences: list[Sequence], *, batch_tokens: int
         out[f"{name}_top1"] = torch.empty(n, dtype=torch.long)
         out[f"{name}_top5"] = torch.empty(n, dtype=torch.bool)
     filled = torch.zeros(n, dtype=torch.bool)
-    bounds = sorted({0, adapter.num_layers, *exits.values()})
-    bar = tqdm(total=len(sequences), desc="evaluating heads", unit="seq", disable=not progress, dynamic_ncols=True)
-    for batch in _length_batches(sequences, batch_tokens):
-        packed = _padded_batch(sequences, batch, lay.offsets, device)
-        if packed is None:
-            bar.update(len(batch))
-            continue
-        ids, valid, rows_t, cols_t, dest_t = packed
-        T = ids.shape[1]
-        positions = torch.arange(T, device=device).expand(len(batch), T)
-        cache = adapter.new_cache(len(batch))
-        h = adapter.embed(ids, positions)
-        saved = {}
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            h = adapter.run_layers(h, a, b, position_ids=positions, cache=cache, valid=valid)
-            if b in exits.values():
-                saved[b] = h
-        del cache
-        final = h[rows_t, cols_t]
+    for valid, rows_t, cols_t, dest_t, saved, final in _frozen_passes(
+            adapter, sequences, lay.offsets, list(exits.values()), batch_tokens, "evaluating heads", progress):
         for c in range(0, final.shape[0], chunk):
             out["final"][dest_t[c : c + chunk]] = adapter.final_logits(final[c : c + chunk]).float().argmax(-1).cpu()
         for name, layer in exits.items():
@@ -1107,9 +1099,6 @@ def exit_head_predictions(model, sequences: list[Sequence], *, batch_tokens: int
                 out[f"{name}_top1"][d] = logits.argmax(-1).cpu()
                 out[f"{name}_top5"][d] = (logits.topk(k, dim=-1).indices == tt[:, None]).any(-1).cpu()
         filled[dest_t] = True
-        del saved, h
-        bar.update(len(batch))
-    bar.close()
     if not bool(filled.all()):
         raise ProbeError("internal error: some scored positions were not evaluated")
     out.update(segment=lay.segment, sequence=lay.sequence, category=lay.category, categories=lay.categories)

@@ -218,7 +218,7 @@ def test_empty_prompt_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _tiny_vocab_model(seed=0):
+def _tiny_vocab_model(seed=0, head_type="linear"):
     import transformers
 
     torch.manual_seed(seed)
@@ -229,7 +229,7 @@ def _tiny_vocab_model(seed=0):
         for p in base.parameters():
             p.copy_(torch.randn_like(p) * 0.6)
     base.eval()
-    model = _wrap(base, head_type="linear", draft=1, verify=2)
+    model = _wrap(base, head_type=head_type, draft=1, verify=2)
     with torch.no_grad():  # heads clearly different from the final layer: q != r != p
         for head in model.heads.values():
             head.adapter.weight.copy_(torch.randn_like(head.adapter.weight) * 0.8)

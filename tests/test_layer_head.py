@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoding import _chi2_pvalue, _draw, _exact_joint, _hf_greedy, _ragged, _wrap
+from test_decoding import _chi2_pvalue, _draw, _exact_joint, _hf_greedy, _ragged, _tiny_vocab_model, _wrap
 from tiny import FAMILIES, tiny_model
 
 import hispec
@@ -87,20 +87,7 @@ def test_draft_acceptance_equals_the_teacher_forced_heads_so_head_kv_is_exact(fa
 
 @pytest.mark.parametrize("strategy", ["self-spec", "hispec"])
 def test_sampling_with_layer_heads_matches_the_exact_distribution(strategy):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    base = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in base.parameters():
-            p.copy_(torch.randn_like(p) * 0.6)
-    base.eval()
-    model = _wrap(base, head_type="layer", draft=1, verify=2)
-    with torch.no_grad():
-        for head in model.heads.values():
-            head.adapter.weight.copy_(torch.randn_like(head.adapter.weight) * 0.8)
+    model = _tiny_vocab_model(head_type="layer")
     prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)
     outcomes, probs = _exact_joint(model, prompt, n, warp)
     samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=3)
