@@ -107,6 +107,10 @@ def parse_head_types(spec: str | list[str]) -> list[str]:
     names = [x for x in names if x]
     if not names:
         raise ProbeError("no head types given")
+    if "layer" in names:
+        raise ProbeError("'layer' heads attend over whole sequences and are not probed layer by layer; train them "
+                         "with train/heads.py --head_type layer (from a feature cache) and measure the checkpoint "
+                         "with hispec-probe --eval-heads")
     unknown = [x for x in names if x not in HEAD_TYPES]
     if unknown:
         raise ProbeError(f"unknown head type(s) {unknown}; choose from {', '.join(HEAD_TYPES)}")

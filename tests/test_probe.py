@@ -74,6 +74,8 @@ def test_parse_layers():
             probe.parse_layers(bad, 30)
     with pytest.raises(probe.ProbeError, match="unknown head type"):
         probe.parse_head_types("shared,mlp")
+    with pytest.raises(probe.ProbeError, match="--eval-heads"):
+        probe.parse_head_types("linear,layer")
 
 
 def test_simulate_rounds_handcrafted():

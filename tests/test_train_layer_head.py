@@ -60,11 +60,24 @@ def test_layer_heads_train_export_and_decode_losslessly(env, tmp_path, lora):  #
     assert _teacher_forced_draft_logits(model, ids).isfinite().all()
 
 
-def test_layer_heads_refuse_a_feature_cache_and_lora_needs_layer_heads(env, tmp_path):  # noqa: F811
+def test_lora_needs_layer_heads(env, tmp_path):  # noqa: F811
     from train.heads import ConfigError, main
 
-    with pytest.raises(ConfigError, match="drop feature_cache"):
-        main(_argv(env, tmp_path / "a", "--head_type", "layer", "--feature_cache", str(tmp_path / "fc")))
     with pytest.raises(ConfigError, match="LoRA applies to 'layer' heads only"):
         main(_argv(env, tmp_path / "b", "--head_type", "linear", "--head_lora_rank", "4"))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()
+
+
+def test_left_padded_rebuilds_whole_sequences_in_loss_order():
+    from train.heads import _left_padded
+
+    lengths = [3, 1, 4]
+    offsets = torch.tensor([0, 3, 4, 8])
+    flat = torch.arange(8, dtype=torch.float32)[:, None].expand(8, 2) + 1
+    sel = torch.tensor([True, False, True, True, False, True, True, True])
+    states, mask, idx = _left_padded(flat, offsets, sel)
+    assert states.shape == (3, 4, 2) and mask.sum(1).tolist() == lengths
+    for j, (a, n) in enumerate(zip(offsets[:-1].tolist(), lengths)):
+        assert torch.equal(states[j, 4 - n:], flat[a:a + n]) and not mask[j, :4 - n].any()  # left padding
+        assert (states[j, :4 - n] == 0).all()
+    assert torch.equal(states.reshape(-1, 2)[idx], flat[sel])  # same tokens, same order as the flat batch

@@ -341,10 +341,6 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         raise ConfigError(
             f"head type '{m.head_type}' has no trainable weights; choose one of {', '.join(TRAINABLE_HEADS)}"
         )
-    if m.head_type == "layer" and d.feature_cache:
-        raise ConfigError("'layer' heads attend over previous positions and train on whole sequences through the "
-                          "backbone; drop feature_cache (it stores position-wise states) or choose a position-wise "
-                          "head type (norm, linear, lowrank)")
     if m.head_lora_rank < 0 or (m.head_lora_rank and m.head_type != "layer"):
         raise ConfigError(f"head_lora_rank {m.head_lora_rank}: LoRA applies to 'layer' heads only (>= 1; 0 = off)")
     if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
@@ -558,11 +554,33 @@ def _batch_inputs(batch, adapter, exits, param_dtype, seq_heads=()):
     return hidden, teacher, labels, row
 
 
-def _cached_inputs(batch, exits, param_dtype):
+def _left_padded(flat_states, offsets, sel):
+    """Concatenated sequences `[N, H]` (boundaries `offsets` [B + 1]) -> left-padded `[B, T, H]`, attention mask
+    `[B, T]` and the flat index `[B * T]` of the positions in `sel` [N], in the same (sequence, position) order as
+    `flat_states[sel]` -- the whole-sequence input a `layer` head takes (`HeadsForTraining.forward`)."""
+    import torch
+
+    lengths = offsets[1:] - offsets[:-1]
+    B, T = lengths.numel(), int(lengths.max())
+    row = torch.repeat_interleave(torch.arange(B, device=lengths.device), lengths)
+    col = torch.arange(flat_states.shape[0], device=lengths.device) - offsets[:-1][row] + (T - lengths)[row]
+    states = flat_states.new_zeros(B, T, flat_states.shape[-1])
+    states[row, col] = flat_states
+    mask = torch.zeros(B, T, dtype=torch.bool, device=lengths.device)
+    mask[row, col] = True
+    flat = torch.zeros(B, T, dtype=torch.bool, device=lengths.device)
+    flat[row, col] = sel
+    return states, mask, flat.reshape(-1)
+
+
+def _cached_inputs(batch, exits, param_dtype, seq_heads=()):
     """A `train.features.CachedCollator` batch -> loss-token exit states, teacher top-k ids / log-probs, labels and
-    the batch row of each token."""
+    the batch row of each token. A `layer` head (named in `seq_heads`) gets its exit's whole sequences rebuilt from
+    the cache's offsets instead (see `_left_padded`): the cache stores every position, not only the loss ones."""
     sel = batch["loss_mask"].bool()
-    hidden = {name: batch[f"hidden.{layer}"][sel].to(param_dtype) for name, layer in zip(("draft", "verify"), exits)}
+    hidden = {name: (_left_padded(batch[f"hidden.{layer}"].to(param_dtype), batch["offsets"], sel)
+                     if name in seq_heads else batch[f"hidden.{layer}"][sel].to(param_dtype))
+              for name, layer in zip(("draft", "verify"), exits)}
     return (hidden, batch["teacher_topk_ids"][sel], batch["teacher_topk_logprobs"][sel], batch["labels"][sel],
             batch["row"][sel])
 
@@ -577,20 +595,24 @@ def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
     chunk = t.loss_chunk_size or None
 
     def on_the_fly(batch, heads, pairs=(), per_token=False):
-        inner = getattr(heads, "module", heads).heads  # (DDP-)wrapped HeadsForTraining -> its ModuleDict
-        seq_heads = tuple(k for k, h in inner.items() if getattr(h, "stateful", False))  # `layer` heads
-        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype, seq_heads)
+        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype, _seq_heads(heads))
         out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature, ce_weight=t.ce_weight,
                            chunk_size=chunk, vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
         return out, row, batch["input_ids"].shape[0]
 
     def from_cache(batch, heads, pairs=(), per_token=False):
-        hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype)
+        hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype, _seq_heads(heads))
         out = topk_distill_loss(project, heads(hidden), ids, logp, labels, ce_weight=t.ce_weight, chunk_size=chunk,
                                 vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
         return out, row, batch["offsets"].shape[0] - 1
 
     return from_cache if cached else on_the_fly
+
+
+def _seq_heads(heads) -> tuple[str, ...]:
+    """Names of the heads that attend over whole sequences (`layer` heads) in a (DDP-)wrapped HeadsForTraining."""
+    inner = getattr(heads, "module", heads).heads
+    return tuple(k for k, h in inner.items() if getattr(h, "stateful", False))
 
 
 def _row_index(mask):

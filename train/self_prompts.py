@@ -156,6 +156,12 @@ class SelfPromptArguments:
     self_prompt_system: str | None = field(
         default=None, metadata={"help": "System message of the prompt-writing chat (default: the template's own)."}
     )
+    self_prompt_cues: str | None = field(
+        default=None,
+        metadata={"help": "Task cues to draw from instead of the built-in TASK_CUES: a .json list of strings or a "
+                          "text file with one cue per line (a literal \\n is a newline; blank lines and lines "
+                          "starting with # are skipped). Repeat a cue to weight it."},
+    )
 
 
 # Settings a batch's content depends on: resuming with different values would mix two schemes.
@@ -163,8 +169,34 @@ _SCHEME = ("seed", "self_prompt_batch_size", "self_prompt_cue_fraction", "self_p
            "self_prompt_temperature", "self_prompt_top_p", "self_prompt_system", "cues")
 
 
+def load_cues(path: str | None) -> tuple[str, ...]:
+    """The cues of `self_prompt_cues` (TASK_CUES when None); SelfPromptError for a missing, empty or bad file."""
+    if path is None:
+        return TASK_CUES
+    p = Path(os.path.expanduser(path))
+    if not p.is_file():
+        raise SelfPromptError(f"self_prompt_cues: {path} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix == ".json":
+        try:
+            cues = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SelfPromptError(f"self_prompt_cues: {path} is not valid JSON ({e})") from e
+        if not isinstance(cues, list) or not all(isinstance(c, str) for c in cues):
+            raise SelfPromptError(f"self_prompt_cues: {path} must hold a JSON list of strings")
+    else:
+        cues = [ln.rstrip("\r").replace("\\n", "\n") for ln in text.split("\n")
+                if ln.strip() and not ln.lstrip().startswith("#")]
+    cues = [c for c in cues if c.strip()]
+    if not cues:
+        raise SelfPromptError(f"self_prompt_cues: {path} holds no cues")
+    return tuple(cues)
+
+
 def validate_args(args) -> None:
     """SelfPromptError for settings that cannot work (checked before any model is loaded)."""
+    if getattr(args, "self_prompt_cues", None) is not None:
+        load_cues(args.self_prompt_cues)
     if args.self_prompts < 0:
         raise SelfPromptError(f"self_prompts must be >= 0, got {args.self_prompts}")
     if not 0.0 <= args.self_prompt_cue_fraction <= 1.0:
@@ -330,7 +362,8 @@ def _settings(args, seed: int) -> dict:
     d = {k: v for k, v in asdict(SelfPromptArguments(**{f: getattr(args, f) for f in
                                                           SelfPromptArguments.__dataclass_fields__})).items()}
     d["seed"] = seed
-    d["cues"] = hashlib.sha1("\n".join(TASK_CUES).encode()).hexdigest()[:12]
+    cues = load_cues(getattr(args, "self_prompt_cues", None))
+    d["cues"] = hashlib.sha1("\n".join(cues).encode()).hexdigest()[:12]
     return {k: d[k] for k in _SCHEME}
 
 
@@ -381,6 +414,7 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(model.parameters()).device
     bs = args.self_prompt_batch_size
+    cue_set = load_cues(getattr(args, "self_prompt_cues", None))
     max_batches = 8 + 10 * -(-n // bs)  # fewer than ~1 in 10 accepted: something is wrong, stop
     bar = tqdm(total=n, initial=min(kept, n), desc="self-written prompts", disable=not show_progress)
     written, b, t0, tried = 0, 0, time.time(), 0
@@ -396,7 +430,7 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
                         f"see the 'reject' reasons in {out_dir / CANDIDATES} (a model that cannot follow its chat "
                         "template, or settings such as a too small self_prompt_max_new_tokens)"
                     )
-                cues = draw_cues(bs, random.Random(f"{seed}-{b}"), args.self_prompt_cue_fraction)
+                cues = draw_cues(bs, random.Random(f"{seed}-{b}"), args.self_prompt_cue_fraction, cue_set)
                 enc = tokenizer([prefix + c for c in cues], return_tensors="pt", padding=True,
                                 add_special_tokens=False)
                 torch.manual_seed(seed * 1_000_003 + b)
