@@ -584,3 +584,22 @@ def test_smollm2_writes_its_own_prompts(demo_model_dir, tmp_path):
     prompts = read_self_prompts(tmp_path, 6)
     assert len(prompts) == 6 and all(len(p["messages"][0]["content"].split()) >= 4 for p in prompts)
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_low_precision_on_a_cpu_without_native_support_is_warned_about(monkeypatch):
+    from types import SimpleNamespace
+
+    import hispec.io
+    from hispec.io import matmul_speed_ratio
+    from train.heads import warn_if_slow_low_precision
+
+    assert 0 < matmul_speed_ratio(size=32) < float("inf")
+    m = SimpleNamespace()
+    d = SimpleNamespace(feature_cache="x", feature_cache_backbone_dtype="bf16")
+    g, t = SimpleNamespace(gen_dtype="bf16"), SimpleNamespace(loss_dtype="fp32")
+    monkeypatch.setattr(hispec.io, "matmul_speed_ratio", lambda dtype, **kw: 60.0)
+    got = warn_if_slow_low_precision(m, d, g, t)
+    assert len(got) == 2 and "gen_dtype=bf16" in got[0] and "60x slower than fp32" in got[0]
+    assert "feature_cache_backbone_dtype: fp32" in got[1]
+    monkeypatch.setattr(hispec.io, "matmul_speed_ratio", lambda dtype, **kw: 0.6)
+    assert warn_if_slow_low_precision(m, d, g, t) == []

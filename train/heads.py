@@ -21,7 +21,8 @@ tokens). With `feature_cache: DIR` the backbone runs ONCE over the tokenized tra
 writes their exit hidden states and the final layer's top-k next-token distribution to DIR/train and DIR/eval
 (train/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
 those instead of running the backbone and learn the "top-k + bucket" KL (`topk_distill_loss`, temperature 1),
-so heads train many epochs cheaply (`feature_cache_backbone_dtype` / `loss_dtype: bf16` make the cache and the
+so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
+offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the cache and the
 steps ~2x cheaper on CPU). `data_only: true` stops once the data (and cache) are ready. Only the heads go through
 `accelerator.prepare` (the backbone is replicated, never sharded). Every `checkpointing_steps` the accelerate
 state is saved under `output_dir/checkpoints/step_N` (written to a temporary name, then renamed);
@@ -327,6 +328,33 @@ def _write_json_atomic(path: Path, data: dict) -> None:
             os.fsync(f.fileno())
 
     _atomic_write_bytes(path, w)
+
+
+def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
+    """Settings asking for bf16/fp16 on a CPU where that dtype's matmuls are much slower than fp32 (no native
+    bf16 instructions): a logged warning each (a 2-core AVX2-only EPYC ran the bf16 feature cache 6x slower than
+    fp32). Returns the warnings."""
+    import torch
+
+    from hispec.io import matmul_speed_ratio
+
+    if torch.cuda.is_available():
+        return []
+    asked = {"gen_dtype": g.gen_dtype, "loss_dtype": t.loss_dtype}
+    if d.feature_cache:
+        asked["feature_cache_backbone_dtype"] = d.feature_cache_backbone_dtype
+    low = {k: v for k, v in asked.items() if str(v).lower() in ("bf16", "bfloat16", "fp16", "float16", "half")}
+    out = []
+    for key, name in low.items():
+        dtype = torch.float16 if "16" in str(name) and "bf" not in str(name).lower() else torch.bfloat16
+        ratio = matmul_speed_ratio(dtype)
+        if ratio > 2.0:
+            out.append(f"{key}={name}: on this CPU ({torch.backends.cpu.get_cpu_capability()}) {name} matmuls run "
+                       f"{ratio:.0f}x slower than fp32; set {key}: fp32 (bf16 only pays on CPUs with native bf16, "
+                       "e.g. AVX-512 BF16 / AMX, and on GPUs)")
+    for w in out:
+        logger.warning(w)
+    return out
 
 
 def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=None) -> None:
@@ -738,6 +766,7 @@ def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, e
 def main(argv=None) -> int:
     m, d, g, t = parse_args(argv)
     validate_static(m, d, t, g)
+    warn_if_slow_low_precision(m, d, g, t)
     output_dir = Path(os.path.expanduser(t.output_dir)).absolute()
 
     import torch
