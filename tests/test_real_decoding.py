@@ -47,13 +47,17 @@ def test_spec_bench_fp32_greedy_is_identical_to_hf(demo_model_dir, spec_bench_pr
 
 
 def test_bf16_ar_is_bit_identical_and_speculation_parts_only_at_rounding_ties(demo_model_dir, spec_bench_prompts):
+    from hispec.io import matmul_speed_ratio
+
+    # CPUs without native bf16 (AVX2-only) emulate it ~100x slower than fp32: same checks on a smaller sample there
+    n_prompts, n_new = (3, 48) if matmul_speed_ratio() < 4 else (1, 24)
     model = hispec.EarlyExitModel.from_base(demo_model_dir, head_type="linear", dtype="bf16")
     ties = TieChecker(model)
-    for text in spec_bench_prompts[:3]:
+    for text in spec_bench_prompts[:n_prompts]:
         ids, mask = encode_prompts(model.tokenizer, [text])
-        ref = _reference(model, ids, mask, 48)[0]
-        assert model.generate(ids, mask, max_new_tokens=48, strategy="ar").new_tokens[0] == ref
+        ref = _reference(model, ids, mask, n_new)[0]
+        assert model.generate(ids, mask, max_new_tokens=n_new, strategy="ar").new_tokens[0] == ref
         for strategy in ("self-spec", "hispec"):
-            new = model.generate(ids, mask, max_new_tokens=48, strategy=strategy, gamma=3, window=4).new_tokens[0]
+            new = model.generate(ids, mask, max_new_tokens=n_new, strategy=strategy, gamma=3, window=4).new_tokens[0]
             margin = ties.margin(ids, mask, ref, new)
             assert margin is None or abs(margin) < 0.5, f"{strategy} left hf at a clear (non-tie) margin {margin}"
