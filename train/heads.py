@@ -22,10 +22,11 @@ writes their exit hidden states and the final layer's top-k next-token distribut
 (train/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
 those instead of running the backbone and learn the "top-k + bucket" KL (`topk_distill_loss`, temperature 1),
 so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
-offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the cache and the
-steps ~2x cheaper on CPU). `data_only: true` stops once the data (and cache) are ready. Only the heads go through
-`accelerator.prepare` (the backbone is replicated, never sharded). Every `checkpointing_steps` the accelerate
-state is saved under `output_dir/checkpoints/step_N` (written to a temporary name, then renamed);
+offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the
+cache and the steps ~2x cheaper on CPUs with native bf16, and far slower on those without: a warning says so).
+`data_only: true` stops once the data (and cache) are ready. Only the heads go through `accelerator.prepare`
+(the backbone is replicated, never sharded). Every `checkpointing_steps` the accelerate state is saved under
+`output_dir/checkpoints/step_N` (written to a temporary name, then renamed);
 `--resume_from_checkpoint latest` continues with the same data order and step and ends with the same heads as an
 uninterrupted run (with or without a cache). Several CPU processes (gloo) get accelerate's MULTI_CPU mode, so
 barriers, gathers and DDP gradient sync are real (without `cpu=True` accelerate silently ran them as independent
@@ -337,21 +338,25 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     import torch
 
     from hispec.io import matmul_speed_ratio
+    from train.generate_data import parse_gen_dtype
 
     if torch.cuda.is_available():
         return []
     asked = {"gen_dtype": g.gen_dtype, "loss_dtype": t.loss_dtype}
     if d.feature_cache:
         asked["feature_cache_backbone_dtype"] = d.feature_cache_backbone_dtype
-    low = {k: v for k, v in asked.items() if str(v).lower() in ("bf16", "bfloat16", "fp16", "float16", "half")}
+    ratios: dict = {}  # measured once per dtype
     out = []
-    for key, name in low.items():
-        dtype = torch.float16 if "16" in str(name) and "bf" not in str(name).lower() else torch.bfloat16
-        ratio = matmul_speed_ratio(dtype)
-        if ratio > 2.0:
+    for key, name in asked.items():
+        dtype = parse_gen_dtype(name)
+        if dtype not in (torch.bfloat16, torch.float16):
+            continue
+        if dtype not in ratios:
+            ratios[dtype] = matmul_speed_ratio(dtype)
+        if ratios[dtype] > 2.0:
             out.append(f"{key}={name}: on this CPU ({torch.backends.cpu.get_cpu_capability()}) {name} matmuls run "
-                       f"{ratio:.0f}x slower than fp32; set {key}: fp32 (bf16 only pays on CPUs with native bf16, "
-                       "e.g. AVX-512 BF16 / AMX, and on GPUs)")
+                       f"{ratios[dtype]:.0f}x slower than fp32; set {key}: fp32 (bf16 only pays on CPUs with native "
+                       "bf16, e.g. AVX-512 BF16 / AMX, and on GPUs)")
     for w in out:
         logger.warning(w)
     return out

@@ -358,11 +358,10 @@ def read_self_prompts(out_dir, n: int | None = None) -> list[dict]:
     return out
 
 
-def _settings(args, seed: int) -> dict:
+def _settings(args, seed: int, cues: tuple[str, ...]) -> dict:
     d = {k: v for k, v in asdict(SelfPromptArguments(**{f: getattr(args, f) for f in
                                                           SelfPromptArguments.__dataclass_fields__})).items()}
     d["seed"] = seed
-    cues = load_cues(getattr(args, "self_prompt_cues", None))
     d["cues"] = hashlib.sha1("\n".join(cues).encode()).hexdigest()[:12]
     return {k: d[k] for k in _SCHEME}
 
@@ -395,7 +394,8 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
 
     validate_args(args)
     out_dir = Path(out_dir)
-    _check_settings(out_dir, _settings(args, seed))
+    cue_set = load_cues(getattr(args, "self_prompt_cues", None))
+    _check_settings(out_dir, _settings(args, seed, cue_set))
     batches = _read_candidates(out_dir)
     dedup, kept = DedupIndex(), 0
     for b in sorted(batches):  # replay the filter over what exists, in order
@@ -414,7 +414,6 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(model.parameters()).device
     bs = args.self_prompt_batch_size
-    cue_set = load_cues(getattr(args, "self_prompt_cues", None))
     max_batches = 8 + 10 * -(-n // bs)  # fewer than ~1 in 10 accepted: something is wrong, stop
     bar = tqdm(total=n, initial=min(kept, n), desc="self-written prompts", disable=not show_progress)
     written, b, t0, tried = 0, 0, time.time(), 0
