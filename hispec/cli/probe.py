@@ -1,13 +1,13 @@
 """hispec-probe: held-out top-1 agreement with the final layer's argmax, by exit layer and head type.
 
     hispec-probe --model ~/.cache/hispec/models/SmolLM2-135M-Instruct \\
-        --data ../shared/data/train/gsm8k_train.jsonl ../shared/data/eval/sharegpt_v3_filtered_500.json \\
-        --max-prompts 120 --eval-data ../shared/data/eval/spec_bench_question.jsonl --max-eval-prompts 24 \\
+        --data data/train/gsm8k_train_2000.jsonl \\
+        --max-prompts 120 --eval-data data/eval/spec_bench_question.jsonl --max-eval-prompts 24 \\
         --max-new-tokens 96 --layers 2-28:2 --head-types shared,norm,linear --steps 150 \\
         --plot probe.png --json-out probe.json
     hispec-probe --model M --data chats.jsonl --eval-fraction 0.1 --draft-vocab-sizes 8192,16384
     hispec-probe --model M --data prompts.jsonl --layers 4,8 --head-types linear --train-sizes 5000,20000,80000
-    hispec-probe --model runs/ckpt --eval-heads --eval-data ../shared/data/eval/spec_bench_question.jsonl \\
+    hispec-probe --model runs/ckpt --eval-heads --eval-data data/eval/spec_bench_question.jsonl \\
         --max-eval-prompts 48 --max-new-tokens 96 --json-out heads.json
 
 Data (--data, --eval-data): any prompt file hispec understands (Spec-Bench / MT-Bench question.jsonl, ShareGPT
