@@ -251,9 +251,7 @@ def test_write_defaults_replaces_config_atomically_and_keeps_other_keys(checkpoi
 def test_short_bench_on_the_demo_model_is_lossless(demo_model_dir, capsys):
     from pathlib import Path
 
-    prompts = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "spec_bench_question.jsonl"
-    if not prompts.exists():
-        pytest.skip(f"Spec-Bench questions not found at {prompts}")
+    prompts = Path(__file__).resolve().parents[1] / "data" / "eval" / "spec_bench_question.jsonl"  # ships in the repo
     rc, out, summary = run_cli(capsys, "--model", demo_model_dir, "--head-type", "linear", "--prompts", prompts,
                                "--num-prompts", 2, "--max-new-tokens", 16, "--dtype", "fp32", "--warmup", 0,
                                "--no-progress", "--strategies", "hf,hf-early-exit,self-spec,hispec")

@@ -12,15 +12,13 @@ from hispec.bench import TieChecker
 from hispec.decoding import _as_list
 from hispec.prompts import encode_prompts, load_prompts
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "spec_bench_question.jsonl"
+SPEC_BENCH = Path(__file__).resolve().parents[1] / "data" / "eval" / "spec_bench_question.jsonl"  # ships in the repo
 
 pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
 def spec_bench_prompts():
-    if not SPEC_BENCH.exists():
-        pytest.skip(f"{SPEC_BENCH} not found")
     return [p.text for p in load_prompts(SPEC_BENCH, num=20)]
 
 

@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="batch_invariance", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/eval/spec_bench_question.jsonl"))
+    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/eval/spec_bench_question.jsonl"))
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)

@@ -61,7 +61,7 @@ def default_cache_dir() -> Path:
 
 
 def default_prompts() -> Path | None:
-    roots = [os.environ.get("HISPEC_DATA_DIR"), REPO / "data", REPO.parent / "shared" / "data"]
+    roots = [os.environ.get("HISPEC_DATA_DIR"), REPO / "data"]  # data/ ships with the repository
     for root in roots:
         if root and (Path(root) / SPEC_BENCH).is_file():
             return Path(root) / SPEC_BENCH
@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where trained heads and the exported checkpoint go (default $HISPEC_DEMO_DIR or "
                    "~/.cache/hispec/demo)")
     p.add_argument("--prompts", type=Path, default=None,
-                   help="Spec-Bench question.jsonl (default: $HISPEC_DATA_DIR, data/ or ../shared/data/, eval/)")
+                   help="Spec-Bench question.jsonl (default: eval/spec_bench_question.jsonl under $HISPEC_DATA_DIR, "
+                        "else the repository's data/)")
     p.add_argument("--num-prompts", type=int, default=10, help="Spec-Bench prompts, spread over categories (10)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     p.add_argument("--dtype", default="fp32",
@@ -193,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = (args.cache_dir or default_cache_dir()).expanduser().absolute()
     prompts = args.prompts or default_prompts()
     if prompts is None or not Path(prompts).is_file():
-        log(f"error: Spec-Bench questions not found ({prompts or 'looked in $HISPEC_DATA_DIR, data/, ../shared/data'}"
-            f"/eval/spec_bench_question.jsonl); pass --prompts PATH")
+        where = prompts or f"{SPEC_BENCH} under $HISPEC_DATA_DIR or {REPO / 'data'}, where the repository ships it"
+        log(f"error: Spec-Bench questions not found ({where}); pass --prompts PATH")
         return 2
     t0 = time.perf_counter()
     try:

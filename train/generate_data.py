@@ -3,7 +3,7 @@
 Launch (standalone; `train/heads.py --self_distill true` calls the same code before training):
 
     python train/generate_data.py --model_name_or_path ~/.cache/hispec/models/SmolLM2-135M-Instruct \
-        --train_file ../shared/data/train/gsm8k_train.jsonl --text_column question --max_train_samples 256 \
+        --train_file data/train/gsm8k_train_2000.jsonl --text_column question --max_train_samples 256 \
         --output_dir runs/self_distill --gen_max_new_tokens 192
 
 Contract: `generate_responses(model, tokenizer, prompts, out_dir, gen, rank=0, world_size=1)` takes prompts
