@@ -304,9 +304,71 @@ def _table(d: dict, header: tuple[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _speed_section(name: str, model: EarlyExitModel, calibration) -> str:
+    """What the card may say about speed: the calibration's predictions on the machine that made it (named), or
+    that speed was not measured and how to measure it. Never a claim without a measurement behind it."""
+    if calibration is None:
+        return f"""## Speed
+
+Not measured for this checkpoint. Whether speculative decoding pays off depends on the machine, the dtype and how
+often the exits agree with the model (the output is the same either way), so measure it where you deploy:
+
+```bash
+hispec-bench --model {name} --prompts question.jsonl --strategies ar,self-spec,hispec
+```
+
+or store a calibrated latency model in the checkpoint with `hispec-export ... --calibrate` (hispec then decodes
+with the hierarchy it predicts to be quickest on that machine, or plainly when none is).
+"""
+    from .latency import predictions
+
+    rows = predictions(calibration, fixed=_default_hierarchies(model))
+    best = rows[-1]
+    lines = ["| hierarchy | levels | gammas | predicted ms / token | predicted tok/s | vs plain decoding |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | `{'>'.join(r['levels'])}` | {','.join(map(str, r['gammas'])) or '-'} | "
+                     f"{r['seconds_per_token'] * 1e3:.2f} | {r['tokens_per_second']:.1f} | "
+                     f"{r['speedup_vs_plain']:.2f}x |")
+    measured = calibration.measured or {}
+    measured_text = ("Measured there: " + ", ".join(f"`{k}` {v:.1f} tok/s" for k, v in measured.items())
+                     + " (decode steps, prefill excluded).\n\n") if measured else ""
+    if best["levels"] == ["full"]:
+        verdict = ("On that machine no speculative hierarchy is predicted to beat plain decoding with these heads: "
+                   "decode with `strategy=\"ar\"` there.")
+    else:
+        verdict = (f"Best predicted there: `{'>'.join(best['levels'])}` with gammas "
+                   f"{','.join(map(str, best['gammas']))}, {best['speedup_vs_plain']:.2f}x plain decoding.")
+    acc = ", ".join(f"{k} {v:.2f}" for k, v in calibration.acceptance.items())
+    return f"""## Speed
+
+Calibrated by `hispec-export --calibrate` on **{calibration.describe_machine()}**: unit costs (decoder layer, heads,
+lm_head, the decoder's per-step overhead) timed there with {calibration.context} cached positions, and per-token
+acceptance rates counted on {calibration.positions} positions of the model's own greedy answers ({acc}; n-gram
+lookup matches {calibration.ngram_match:.2f}). The latency model (`hispec.latency`) predicts, greedy:
+
+{chr(10).join(lines)}
+
+{measured_text}{verdict} These are predictions for that machine type and dtype only: on another machine
+or dtype hispec does not use this calibration (decoding defaults to plain there). Check with
+`hispec-bench --model {name} --prompts question.jsonl`.
+"""
+
+
+def _default_hierarchies(model: EarlyExitModel) -> dict:
+    """The checkpoint's own decoding defaults as hierarchies, for the prediction table."""
+    cfg = model.hispec_config
+    d, v = f"L{cfg.draft_layer}", f"L{cfg.verify_layer}"
+    return {f"self-spec (gamma {cfg.gamma})": ([d, "full"], [cfg.gamma]),
+            f"hispec (gamma {cfg.gamma}, window {cfg.window})": ([d, v, "full"], [cfg.gamma, cfg.window])}
+
+
 def render_model_card(run: TrainRun, model: EarlyExitModel, *, name: str, base_model: str | None,
-                      license: str | None, heads_only: bool = False) -> str:
-    """README.md: YAML header (base_model, library_name, tags, pipeline_tag, license) + what/how/figures/usage."""
+                      license: str | None, heads_only: bool = False, calibration=None) -> str:
+    """README.md: YAML header (base_model, library_name, tags, pipeline_tag, license) + what/how/figures/usage.
+
+    Speed is stated only from a `hispec.latency.Calibration` (`calibration`), naming the machine it was measured
+    on; without one the card says that speed was not measured and how to measure it."""
     cfg = model.hispec_config
     base = cfg.base
     header = {}
@@ -334,7 +396,8 @@ An early-exit checkpoint of [`{base_name}`]{f'(https://huggingface.co/{base_mode
 lossless **hierarchical speculative decoding** with `hispec`: a draft head after layer {cfg.draft_layer} and an
 intermediate-verifier head after layer {cfg.verify_layer} of the frozen {base.get('num_hidden_layers', '?')}-layer model.
 The intermediate exit checks the drafts before the full model verifies them, so the output is exactly the base
-model's, only faster.
+model's (greedy: token for token; sampling: the same distribution). Whether it also saves time depends on the
+machine and on how often the exits agree with the model: see [Speed](#speed).
 
 In this checkpoint {contents}
 
@@ -360,6 +423,7 @@ Data:
 Figures recorded by the training run (`{METRICS_FILE}`):
 
 {_table(run.metrics, ('metric', 'value'))}
+{_speed_section(name, model, calibration)}
 ## How to use
 
 ```python
@@ -382,7 +446,8 @@ hispec-generate {name} --prompt "The capital of France is" --strategy hispec
 
 ## Files
 
-- `config.json`: the base config plus the `hispec` entry (exit layers, head type, decoding defaults, base identity)
+- `config.json`: the base config plus the `hispec` entry (exit layers, head type, decoding defaults, base
+  identity""" + (", latency calibration" if calibration is not None else "") + """)
 - `hispec_heads.safetensors`: the exit-head weights
 """ + ("" if heads_only else "- `model*.safetensors`: the unchanged base weights\n")
     return "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n" + body
@@ -398,6 +463,8 @@ class ExportResult:
     output_dir: Path
     files: list[tuple[str, int]]  # (path relative to output_dir, bytes), sorted
     heads_only: bool
+    calibration: object = None  # hispec.latency.Calibration when the export calibrated the checkpoint
+    predictions: list = field(default_factory=list)  # hispec.latency.predictions rows for it
 
     @property
     def total_bytes(self) -> int:
@@ -408,12 +475,41 @@ def list_files(folder: Path) -> list[tuple[str, int]]:
     return sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
 
 
+# Files in a local base folder that record the Hub repo it was converted from, as {"hub_id": "org/name"}:
+# tools/get_demo_model.py writes this marker when it converts the SmolLM2 GGUF from PyPI.
+ORIGIN_FILES = (".hispec-demo-ok",)
+
+
+def origin_hub_id(folder: str | os.PathLike) -> str | None:
+    """The Hub id a local model folder is a copy or conversion of, where the folder records it: config.json's
+    `_name_or_path`, or `hub_id` in one of `ORIGIN_FILES`. None otherwise."""
+    folder = Path(os.path.expanduser(os.path.expandvars(str(folder))))
+    if not folder.is_dir():
+        return None
+    for name, key in [("config.json", "_name_or_path")] + [(f, "hub_id") for f in ORIGIN_FILES]:
+        try:
+            value = read_json(folder / name).get(key) if (folder / name).is_file() else None
+        except (ValueError, OSError, AttributeError):
+            continue
+        if isinstance(value, str) and _HUB_ID.match(value):
+            return value
+    return None
+
+
 def _card_base_model(run: TrainRun, model: EarlyExitModel, override: str | None) -> str | None:
+    """The card's `base_model`: `override`, else the recorded base when it is a Hub id, else the Hub id a local
+    base folder records as its origin (e.g. the demo model converted from GGUF)."""
     if override:
         return override
-    for candidate in (run.recorded_base.get("name_or_path"), model.hispec_config.base.get("name_or_path")):
-        if candidate and _HUB_ID.match(candidate) and not Path(candidate).exists():
+    candidates = [c for c in (run.recorded_base.get("name_or_path"), model.hispec_config.base.get("name_or_path"))
+                  if c]
+    for candidate in candidates:
+        if _HUB_ID.match(candidate) and not Path(candidate).exists():
             return candidate
+    for candidate in candidates:
+        hub_id = origin_hub_id(candidate)
+        if hub_id:
+            return hub_id
     return None
 
 
@@ -435,12 +531,21 @@ def export(
     vocab_data: list[str] | tuple = (),
     gamma: int | None = None,
     window: int | None = None,
+    calibration_prompts: list | None = None,
+    calibration_max_new_tokens: int = 64,
+    calibration_dtype=None,
+    progress: bool = False,
 ) -> ExportResult:
     """Training output -> checkpoint folder (atomic). `name` is what the model card tells users to load.
 
     `draft_vocab_size` / `verify_vocab_size` (0 = full) restrict a head's output vocabulary (hispec.vocab): the
     most frequent tokens of `vocab_data` files, by default of the run's self-distilled answers when it kept them,
     else by token id order. `gamma` / `window` replace the decoding defaults recorded by the run.
+
+    With `calibration_prompts` (texts, `hispec.prompts.Prompt`s or token id lists), the finished checkpoint is then
+    loaded (in `calibration_dtype`, default as stored) and calibrated on this machine (`hispec.latency.calibrate`);
+    the calibration goes into its config.json and the model card states the predicted speeds. A failure there
+    leaves the exported checkpoint valid, without a calibration.
     """
     for flag, v in (("gamma", gamma), ("window", window)):
         if v is not None and (not isinstance(v, int) or v < 1):
@@ -461,15 +566,50 @@ def export(
     if draft_vocab_size is not None or verify_vocab_size is not None:
         restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, vocab_data)
     source = model.hispec_config.base["name_or_path"]
-    card = render_model_card(
-        run, model, name=name or out.name, base_model=_card_base_model(run, model, base_model_id),
-        license=license or base_license(source, model.hispec_config.base.get("revision")), heads_only=heads_only,
-    )
+    card_base_model = _card_base_model(run, model, base_model_id)
+    card_license = license or base_license(source, model.hispec_config.base.get("revision"))
+    card = render_model_card(run, model, name=name or out.name, base_model=card_base_model, license=card_license,
+                             heads_only=heads_only)
     _log(f"writing {'heads-only ' if heads_only else ''}checkpoint to {out}")
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model.write_into(tmp, heads_only=heads_only, max_shard_size=max_shard_size)
         write_model_card(tmp, card)
-    return ExportResult(output_dir=out, files=list_files(out), heads_only=heads_only)
+    result = ExportResult(output_dir=out, files=list_files(out), heads_only=heads_only)
+    if calibration_prompts:
+        del model  # the checkpoint is calibrated as users load it
+        try:
+            result.calibration, result.predictions = calibrate_checkpoint(
+                out, calibration_prompts, max_new_tokens=calibration_max_new_tokens, dtype=calibration_dtype,
+                progress=progress, card=dict(run=run, name=name or out.name, base_model=card_base_model,
+                                             license=card_license, heads_only=heads_only))
+        except (ValueError, OSError, RuntimeError) as e:
+            raise ExportError(f"the checkpoint {out} was exported, but calibrating it failed: {e}; it is usable "
+                              "without a calibration (decoding then defaults to plain)") from e
+        result.files = list_files(out)
+    return result
+
+
+def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: int = 64, dtype=None,
+                         progress: bool = False, card: dict | None = None):
+    """Load the checkpoint `folder`, calibrate the latency model on `prompts` on this machine, store it in
+    config.json (atomically) and, given the model card's inputs (`card`: run, name, base_model, license,
+    heads_only), rewrite README.md with the predicted speeds. Returns (calibration, prediction rows)."""
+    from .latency import calibrate, predictions, write_calibration
+    from .model import load
+
+    folder = Path(folder)
+    _log(f"calibrating the latency model on {len(prompts)} prompts (greedy answers of up to {max_new_tokens} "
+         f"tokens, then unit costs)")
+    model = load(folder, dtype=dtype)
+    cal = calibrate(model, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    write_calibration(folder, cal)
+    if card is not None:
+        text = render_model_card(card["run"], model, name=card["name"], base_model=card["base_model"],
+                                 license=card["license"], heads_only=card["heads_only"], calibration=cal)
+        tmp = folder / f".{CARD_FILE}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, folder / CARD_FILE)
+    return cal, predictions(cal, fixed=_default_hierarchies(model))
 
 
 def default_vocab_data(run: TrainRun) -> list[Path]:
@@ -562,6 +702,8 @@ __all__ = [
     "write_model_card",
     "base_license",
     "export",
+    "calibrate_checkpoint",
+    "origin_hub_id",
     "push_to_hub",
     "list_files",
 ]

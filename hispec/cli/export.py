@@ -2,8 +2,12 @@
 
     hispec-export runs/smollm2 --output-dir exports/smollm2-hispec
     hispec-export runs/smollm2 --output-dir exports/smollm2-hispec --push-to-hub me/SmolLM2-135M-hispec --private
+    hispec-export runs/smollm2 --output-dir exports/smollm2-hispec --calibrate --calibration-num-prompts 8
 
 The folder is written atomically (temporary sibling, one rename); an existing one is refused unless --overwrite.
+With --calibrate the finished checkpoint is loaded and the latency model calibrated on this machine (hispec.latency:
+timed unit costs, acceptance rates on the model's own greedy answers to the prompts); the calibration goes into
+config.json, the model card states the predicted speeds, and a table of predictions is printed.
 The push happens after the local export; if it fails, the command exits non-zero and the local folder stays.
 Progress goes to stderr; stdout ends with one JSON line describing the result.
 """
@@ -12,7 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
+
+SPEC_BENCH = Path("eval") / "spec_bench_question.jsonl"
+
+
+def default_calibration_prompts() -> Path | None:
+    """Spec-Bench questions: $HISPEC_DATA_DIR/eval/, else the repository's data/eval/ (a source checkout)."""
+    roots = [os.environ.get("HISPEC_DATA_DIR"), Path(__file__).resolve().parents[2] / "data"]
+    for root in roots:
+        if root and (Path(root) / SPEC_BENCH).is_file():
+            return Path(root) / SPEC_BENCH
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoding default: drafts per round (default: the run's; choose with hispec-bench --sweep)")
     p.add_argument("--window", type=int, default=None,
                    help="decoding default: tokens gathered before full verification (default: the run's)")
+    cal = p.add_argument_group("latency calibration (hispec.latency; stored in config.json, stated on the model card)")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="after exporting, time the model on this machine and count how often its exits agree with "
+                          "it on the model's own greedy answers, store the calibration and print predicted speeds")
+    cal.add_argument("--calibration-prompts", default=None, metavar="FILE",
+                     help="prompt file (Spec-Bench/MT-Bench question.jsonl, jsonl/json with 'prompt', or text lines; "
+                          "default: data/eval/spec_bench_question.jsonl of a source checkout or $HISPEC_DATA_DIR)")
+    cal.add_argument("--calibration-num-prompts", type=int, default=8, metavar="N",
+                     help="prompts to calibrate on, spread over categories (default 8)")
+    cal.add_argument("--calibration-max-new-tokens", type=int, default=64, metavar="N",
+                     help="greedy answer length per prompt, in tokens (default 64)")
+    cal.add_argument("--calibration-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                     help="dtype to calibrate in, the one you will decode in (auto: as the checkpoint is stored); "
+                          "a calibration only applies to its own dtype and machine type")
     hub = p.add_argument_group("Hugging Face Hub (token from $HF_TOKEN or `hf auth login`)")
     hub.add_argument("--push-to-hub", metavar="REPO_ID", default=None,
                      help="after the local export, upload the folder to this model repo (created if missing)")
@@ -83,6 +114,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.push_to_hub and not args.dry_run and ex.hub_token() is None:
         return fail("--push-to-hub needs a Hugging Face token: set $HF_TOKEN or run `hf auth login` "
                     "(nothing was exported)")
+    prompts = None
+    if args.calibrate:
+        from ..prompts import load_prompts
+
+        if args.calibration_num_prompts < 1 or args.calibration_max_new_tokens < 2:
+            return fail("--calibration-num-prompts must be >= 1 and --calibration-max-new-tokens >= 2")
+        source = args.calibration_prompts or default_calibration_prompts()
+        if source is None:
+            return fail("--calibrate needs prompts: no data/eval/spec_bench_question.jsonl here (or in "
+                        "$HISPEC_DATA_DIR); pass --calibration-prompts FILE (nothing was exported)")
+        try:
+            prompts = load_prompts(source, num=args.calibration_num_prompts)
+        except (OSError, ValueError) as e:
+            return fail(f"--calibration-prompts: {e} (nothing was exported)")
+    else:
+        used = [f"--calibration-{f.replace('_', '-')}" for f in ("prompts", "num_prompts", "max_new_tokens", "dtype")
+                if getattr(args, f"calibration_{f}") != parser.get_default(f"calibration_{f}")]
+        if used:
+            parser.error(f"{', '.join(used)} only make sense with --calibrate")
     try:
         result = ex.export(
             args.train_output_dir, args.output_dir, base=args.base, base_revision=args.base_revision,
@@ -90,12 +140,27 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, base_model_id=args.base_model_id,
             license=args.license, name=args.push_to_hub, draft_vocab_size=args.draft_vocab_size,
             verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data, gamma=args.gamma,
-            window=args.window,
+            window=args.window, calibration_prompts=prompts,
+            calibration_max_new_tokens=args.calibration_max_new_tokens,
+            calibration_dtype=None if args.calibration_dtype == "auto" else args.calibration_dtype, progress=True,
         )
     except (CheckpointError, ex.ExportError, FileExistsError, ValueError, OSError) as e:
         return fail(str(e))
     summary = {"output_dir": str(result.output_dir), "heads_only": result.heads_only, "files": len(result.files),
-               "bytes": result.total_bytes, "hub": None}
+               "bytes": result.total_bytes, "hub": None, "calibration": None}
+    if result.calibration is not None:
+        from ..latency import format_predictions
+
+        cal = result.calibration
+        print(format_predictions(cal, result.predictions))
+        best = result.predictions[-1]
+        summary["calibration"] = {
+            "machine": cal.machine, "dtype": cal.dtype, "threads": cal.threads, "acceptance": cal.acceptance,
+            "ngram_match": cal.ngram_match, "measured_tokens_per_second": cal.measured,
+            "predictions": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
+                            for r in result.predictions],
+            "best": {"levels": best["levels"], "gammas": best["gammas"],
+                     "speedup_vs_plain": round(best["speedup_vs_plain"], 4)}}
     if args.push_to_hub:
         target = f"{args.push_to_hub}@{args.revision or 'main'}" + (" (as a pull request)" if args.create_pr else "")
         summary["hub"] = {"repo_id": args.push_to_hub, "revision": args.revision, "create_pr": args.create_pr,

@@ -1,0 +1,839 @@
+"""The latency model of hierarchical speculative decoding and the latency-optimal hierarchy (design.md §3.3).
+
+Contract:
+- A *hierarchy* is a list of level names ordered by depth, bottom-up, ending with "full": "ngram" (prompt-lookup
+  drafting, `hispec.ngram`; only as the bottom level), "L<k>" (the exit after decoder layer k with its trained
+  head) and "full" (the model). Level i < top has a gamma `g_i`: how many tokens it gathers before level i+1
+  verifies them in one pass (for "ngram": its longest proposal). `gammas[i] == 0` means level i is *skipped*:
+  level i+1 produces its tokens itself (it becomes the bottom; the levels below i are idle). So
+  `(["L4", "L8", "full"], [0, 3])` is self-speculation at L8 and `[0, 0]` is plain decoding.
+- `time_per_token(levels, gammas, cal)` predicts seconds per generated token; `best_hierarchy(cal)` the fastest
+  hierarchy (plain decoding is always a candidate, so the choice is never predicted slower than plain);
+  `best_gammas(levels, cal, acceptance)` the best gammas for a fixed level list given (e.g. per-row, observed)
+  acceptance rates, allowing 0 = skip; memoised, cheap enough to call every few decoding rounds.
+- `calibrate(model, prompts)` measures a `Calibration` on this machine: unit costs (timed) and acceptance rates
+  (counted on the model's own greedy answers). It lives in the checkpoint as `config.json["hispec"]["calibration"]`
+  (`write_calibration` / `read_calibration`); `Calibration.check(model)` refuses one made for another model or on
+  another kind of machine (`CalibrationError`).
+
+The model (greedy decoding, i.i.d. acceptance). Unit costs, measured per number T of new positions in one pass:
+`layer(T)` one decoder layer (the median time of a pass over all L layers with a KV cache of `context` slots,
+divided by L), `head_k(T)` level k's head (norm + adapter + its, possibly reduced, projection, as the decoder calls
+it), `final(T)` the model's final norm + lm_head, `ngram` one lookup, `o` = `step_overhead` the decoder's Python
+bookkeeping per pass. Between measured T the costs are interpolated linearly: a verification of T tokens is NOT T
+one-token steps (on CPUs and GPUs a pass over 8 rows costs little more than over 1). With `e_k` the exit layer of
+level k (e = 0 for "ngram", L for "full") and `E(a, g) = (1 - a^(g+1)) / (1 - a)` the expected tokens a
+verification of g tokens yields (the accepted prefix plus the verifier's own token):
+
+    draft step at the bottom level b:  D_b      = e_b layer(1) + head_b(1) + o                  (1 token)
+    plain decoding ("full" alone):     D_full   = L layer(1) + final(1) + o
+    verification by level k of T-1 tokens gathered by level i (KV + hidden-state reuse: the gathered tokens
+    already ran through layers [0, e_i) when they were drafted, except the newest one):
+                                       V_ik(T)  = e_i layer(1) + (e_k - e_i) layer(T) + head_k(T)
+    per-token time of the sub-hierarchy topped by level k over level i with gamma g, acceptance a = a(i>k):
+                                       T_k      = (g T_i + V_ik(g+1) + o) / E(a, g)
+
+"ngram" as the bottom level i (T_i = the lookup cost c): a lookup proposes g tokens with probability m
+(`ngram_match`) and nothing otherwise. A matched round: level k verifies them in one pass over g+1 positions
+(V_0k(g+1) = e_k layer(g+1) + head_k(g+1): no layer ran on them yet) and yields E(a, g) tokens; a round without a
+match: level k produces 1 token itself from a one-position pass V_0k(1). Per token (a renewal-reward ratio):
+
+                                       T_k      = (c + o + m V_0k(g+1) + (1-m) V_0k(1)) / (1 + m (E(a, g) - 1))
+
+How this follows Globerson et al. ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705), and
+where it differs: as there, each level's expected output per verification is E(a, g) under i.i.d. acceptance, the
+per-token latency of a hierarchy is a recursion over its levels, and T_k is an increasing affine function of T_i
+(slope g / E > 0), so the best sub-hierarchy topped by level k contains the best sub-hierarchy topped by the level
+below it: the optimum is a shortest path over the candidate levels ordered by depth (the paper's generalized
+shortest path; here a dynamic program over levels x gammas, O(levels^2 x gammas)). Differences: (1) the paper's
+drafters are separate models whose verification pass costs one forward of the verifier; here levels are exits of
+one model sharing a KV cache, so a verification runs only the verifier's own layer range over the gathered
+tokens (plus the lower ranges over the newest token) and its cost depends on T, measured, not assumed flat;
+(2) an n-gram level with a match probability, whose verifier falls back to producing a token itself; (3) a
+measured per-pass overhead; (4) level i gathers exactly g_i tokens here (the decoder verifies when it has at
+least g_i, and a lower level's burst can overshoot; the paper's thresholds have the same effect, the model
+ignores it); (5) acceptance rates are measured top-1 agreements along the full model's own greedy answers
+(teacher-forced), one per pair of levels: greedy decoding only. Costs of sampling (probability rows, rejection
+sampling) are not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .ngram import NgramConfig, propose
+
+NGRAM, FULL = "ngram", "full"
+CALIBRATION_VERSION = 1
+DEFAULT_MAX_GAMMA = 8
+
+
+class CalibrationError(ValueError):
+    """A calibration is missing, malformed, or belongs to another model or machine; the message says which."""
+
+
+# ---------------------------------------------------------------------------------------------- closed forms
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens from one verification of `gamma` drafts with i.i.d. acceptance `alpha`: the accepted prefix
+    plus the verifier's own token, `(1 - alpha^(gamma+1)) / (1 - alpha)`; gamma 0 -> 1, alpha 1 -> gamma + 1."""
+    if gamma <= 0:
+        return 1.0
+    alpha = min(max(float(alpha), 0.0), 1.0)
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def acceptance_from_counts(accepted: int, proposed: int, rejections: int) -> float | None:
+    """The i.i.d. maximum-likelihood acceptance rate from verification rounds: `accepted / (accepted + rejections)`.
+
+    A round that checked m proposals and accepted a of them contributes a acceptances and one rejection when
+    a < m (a round that accepted all, or whose walk was cut short, is censored: no rejection). `proposed` (the
+    tokens put up for verification, >= accepted + rejections) only guards the counts. None when nothing was
+    observed (accepted + rejections == 0): no evidence, use a prior such as the calibration's rate."""
+    if min(accepted, proposed, rejections) < 0 or accepted + rejections > proposed:
+        raise ValueError(f"inconsistent counts: accepted {accepted} + rejections {rejections} > proposed {proposed}")
+    n = accepted + rejections
+    return accepted / n if n else None
+
+
+def level_name(layer: int) -> str:
+    return f"L{int(layer)}"
+
+
+def pair_key(lower: str, upper: str) -> str:
+    return f"{lower}>{upper}"
+
+
+def interp(table: dict, T: int) -> float:
+    """A cost measured at some T (`{T: seconds}`) at any T: linear between measured points, the last segment's
+    slope (>= 0) beyond them, the first value below them."""
+    if T in table:
+        return table[T]
+    keys = sorted(table)
+    if T < keys[0]:
+        return table[keys[0]]
+    if T > keys[-1]:
+        if len(keys) == 1:
+            return table[keys[0]] * T / keys[0]
+        a, b = keys[-2], keys[-1]
+        return table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (T - b)
+    lo = max(k for k in keys if k <= T)
+    hi = min(k for k in keys if k >= T)
+    return table[lo] + (table[hi] - table[lo]) * (T - lo) / (hi - lo)
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+def machine_fingerprint(device=None) -> dict:
+    """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch."""
+    from .bench import cpu_model
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    fp = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": dev.type,
+          "cuda_name": None, "torch": torch.__version__, "platform": platform.machine()}
+    if dev.type == "cuda" and torch.cuda.is_available():
+        fp["cuda_name"] = torch.cuda.get_device_name(dev)
+    return fp
+
+
+def model_identity(model) -> dict:
+    """The facts about an `EarlyExitModel` that its costs and acceptances depend on."""
+    ad, cfg = model.adapter, model.hispec_config
+    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    heads = {level_name(layer): {"exit": name, "type": cfg.head_type, "vocab_size": model.vocab_size_of(name)}
+             for name, layer in exits.items()}
+    return {"num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "vocab_size": ad.vocab_size,
+            "model_type": getattr(ad.config, "model_type", None), "exits": exits, "heads": heads}
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _str_keys(d):
+    if isinstance(d, dict):
+        return {str(k): _str_keys(v) for k, v in d.items()}
+    return d
+
+
+def _int_keys(table: dict) -> dict:
+    return {int(k): float(v) for k, v in table.items()}
+
+
+@dataclass
+class Calibration:
+    """Measured inputs of the latency model for one model on one kind of machine (see the module docstring).
+
+    `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s};
+    `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, ...} for every pair lower < upper; `ngram_match`: the
+    share of positions where the n-gram lookup proposes anything; `measured`: tokens/s per strategy where a run
+    measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
+
+    machine: dict
+    dtype: str
+    threads: int
+    model: dict
+    costs: dict
+    acceptance: dict
+    ngram_match: float = 0.0
+    measured: dict | None = None
+    context: int = 0  # KV slots behind the timed passes
+    positions: int = 0  # answer positions the acceptances were counted on
+    ngram: dict | None = None  # the NgramConfig the n-gram figures were measured with
+    version: int = CALIBRATION_VERSION
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ levels
+    @property
+    def num_layers(self) -> int:
+        return int(self.model["num_layers"])
+
+    @property
+    def levels(self) -> list[str]:
+        """Every level this calibration can price, by depth: "ngram" (if measured), the exits, "full"."""
+        exits = sorted(int(name[1:]) for name in self.costs.get("head", {}))
+        out = [NGRAM] if self.costs.get("ngram") is not None else []
+        return out + [level_name(e) for e in exits] + [FULL]
+
+    def depth(self, level: str) -> int:
+        if level == NGRAM:
+            return 0
+        if level == FULL:
+            return self.num_layers
+        if level.startswith("L") and level[1:].isdigit() and level in self.costs.get("head", {}):
+            return int(level[1:])
+        raise ValueError(f"unknown level {level!r}; this calibration knows {', '.join(self.levels)}")
+
+    def layer_cost(self, T: int) -> float:
+        return self._cached(("layer", T), lambda: interp(self.costs["layer"], T))
+
+    def head_cost(self, level: str, T: int) -> float:
+        if level == FULL:
+            return self._cached(("final", T), lambda: interp(self.costs["final"], T))
+        return self._cached(("head", level, T), lambda: interp(self.costs["head"][level], T))
+
+    @property
+    def step_overhead(self) -> float:
+        return float(self.costs.get("step_overhead", 0.0))
+
+    @property
+    def ngram_cost(self) -> float:
+        return float(self.costs.get("ngram") or 0.0)
+
+    def _cached(self, key, fn):
+        units = self._memo.setdefault("units", {})
+        if key not in units:
+            units[key] = fn()
+        return units[key]
+
+    def plain_seconds_per_token(self) -> float:
+        return time_per_token([FULL], [], self)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict:
+        """JSON-safe (int keys become strings)."""
+        return _str_keys({
+            "version": self.version, "machine": dict(self.machine), "dtype": self.dtype, "threads": self.threads,
+            "model": self.model, "costs": self.costs, "acceptance": dict(self.acceptance),
+            "ngram_match": self.ngram_match, "measured": self.measured, "context": self.context,
+            "positions": self.positions, "ngram": self.ngram,
+        })
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Calibration:
+        try:
+            version = int(d.get("version", 0))
+            if version > CALIBRATION_VERSION:
+                raise CalibrationError(f"calibration format version {version} is newer than this hispec "
+                                       f"({CALIBRATION_VERSION}); upgrade hispec or recalibrate")
+            c = d["costs"]
+            costs = {"layer": _int_keys(c["layer"]), "final": _int_keys(c["final"]),
+                     "head": {name: _int_keys(t) for name, t in c.get("head", {}).items()},
+                     "ngram": None if c.get("ngram") is None else float(c["ngram"]),
+                     "step_overhead": float(c.get("step_overhead", 0.0))}
+            model = dict(d["model"])
+            model["exits"] = {k: int(v) for k, v in model.get("exits", {}).items()}
+            return cls(machine=dict(d["machine"]), dtype=str(d["dtype"]), threads=int(d["threads"]), model=model,
+                       costs=costs, acceptance={k: float(v) for k, v in d["acceptance"].items()},
+                       ngram_match=float(d.get("ngram_match", 0.0)), measured=d.get("measured"),
+                       context=int(d.get("context", 0)), positions=int(d.get("positions", 0)), ngram=d.get("ngram"),
+                       version=version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"malformed calibration entry ({e!r}); recalibrate (hispec-export ... --calibrate)"
+                                   ) from e
+
+    # ------------------------------------------------------------------ validity
+    def describe_machine(self) -> str:
+        m = self.machine
+        dev = m.get("cuda_name") or m.get("device", "?")
+        return (f"{m.get('cpu', '?')} ({m.get('cpu_capability', '?')}), device {dev}, {self.dtype}, "
+                f"{self.threads} threads, torch {m.get('torch', '?')}")
+
+    def check(self, model, *, machine: bool = True) -> None:
+        """Raise `CalibrationError` when this calibration was made for another model (depth, hidden size,
+        vocabulary, type, exits, heads) or, with `machine`, on another kind of machine (CPU model, CPU capability,
+        device / GPU) or in another dtype: its predictions would not hold."""
+        have, want = model_identity(model), self.model
+        diffs = [f"{k}: calibrated {want[k]!r}, model has {have[k]!r}"
+                 for k in ("num_layers", "hidden_size", "vocab_size", "model_type", "exits")
+                 if want.get(k) is not None and want[k] != have[k]]
+        if not diffs and want.get("heads") and want["heads"] != have["heads"]:
+            diffs.append(f"heads: calibrated {want['heads']}, model has {have['heads']}")
+        if diffs:
+            raise CalibrationError("the latency calibration belongs to another model (" + "; ".join(diffs)
+                                   + "); recalibrate on this one (hispec-export ... --calibrate, or "
+                                   "hispec.latency.calibrate)")
+        if not machine:
+            return
+        here = machine_fingerprint(model.device)
+        diffs = [f"{k}: calibrated {self.machine.get(k)!r}, here {here[k]!r}"
+                 for k in ("cpu", "cpu_capability", "device", "cuda_name") if self.machine.get(k) != here[k]]
+        if _dtype_name(model.dtype) != self.dtype:
+            diffs.append(f"dtype: calibrated {self.dtype}, model runs in {_dtype_name(model.dtype)}")
+        if diffs:
+            raise CalibrationError(f"the latency calibration was measured on another machine or setup "
+                                   f"({self.describe_machine()}): " + "; ".join(diffs)
+                                   + "; its timings do not hold here. Recalibrate on this machine "
+                                   "(hispec.latency.calibrate(model, prompts)) or choose a strategy explicitly")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _alpha(cal: Calibration, acceptance: dict | None, lower: str, upper: str) -> float:
+    key = pair_key(lower, upper)
+    if acceptance and acceptance.get(key) is not None:
+        return float(acceptance[key])
+    if key not in cal.acceptance:
+        raise CalibrationError(f"no acceptance rate for {key} in the calibration (it has {sorted(cal.acceptance)})")
+    return float(cal.acceptance[key])
+
+
+def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float:
+    """V_ik(T): level `upper` verifies T-1 tokens gathered by `lower` (None / "ngram": no layer ran on them)."""
+    e_lo = 0 if lower is None else cal.depth(lower)
+    e_hi = cal.depth(upper)
+    return e_lo * cal.layer_cost(1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
+
+
+def _draft_cost(cal: Calibration, level: str) -> float:
+    """D_b: one token from the bottom level's own one-position pass."""
+    return _pass_cost(cal, None, level, 1) + cal.step_overhead
+
+
+def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, alpha: float, match: float) -> float:
+    """T_upper from T_lower (increasing affine in t_lower; see the module docstring)."""
+    o = cal.step_overhead
+    E = expected_tokens(alpha, g)
+    if lower == NGRAM:
+        m = min(max(match, 0.0), 1.0)
+        return ((t_lower + o + m * _pass_cost(cal, None, upper, g + 1) + (1 - m) * _pass_cost(cal, None, upper, 1))
+                / (1 + m * (E - 1)))
+    return (g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o) / E
+
+
+def _check_levels(cal: Calibration, levels) -> list[str]:
+    levels = list(levels)
+    if not levels or levels[-1] != FULL:
+        raise ValueError(f"a hierarchy ends with 'full' (the model), got {levels}")
+    depths = [cal.depth(lv) for lv in levels]  # raises for unknown levels
+    if any(a >= b for a, b in zip(depths, depths[1:])):
+        raise ValueError(f"levels must be ordered by strictly increasing depth, got {levels}")
+    return levels
+
+
+def _active(levels: list[str], gammas) -> tuple[list[str], list[int]]:
+    """The levels that run under `gammas` (0 at level i: level i+1 is the bottom) and their gammas."""
+    gammas = list(gammas)
+    if len(gammas) != len(levels) - 1:
+        raise ValueError(f"{len(levels)} levels need {len(levels) - 1} gammas, got {gammas}")
+    if any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in gammas):
+        raise ValueError(f"gammas must be integers >= 0 (0 = skip the level), got {gammas}")
+    start = max((i + 1 for i, g in enumerate(gammas) if g == 0), default=0)
+    return levels[start:], gammas[start:]
+
+
+def time_per_token(levels, gammas, cal: Calibration, acceptance: dict | None = None,
+                   ngram_match: float | None = None) -> float:
+    """Predicted seconds per generated token of the hierarchy `levels` with `gammas` (0 = skip, see the module
+    docstring). `acceptance` overrides the calibration's rates per pair ("L4>L8": 0.4, ...), `ngram_match` its
+    n-gram match rate."""
+    levels, gammas = _active(_check_levels(cal, levels), gammas)
+    match = cal.ngram_match if ngram_match is None else ngram_match
+    t = cal.ngram_cost if levels[0] == NGRAM else _draft_cost(cal, levels[0])
+    for i in range(1, len(levels)):
+        lo, hi = levels[i - 1], levels[i]
+        t = _step(cal, lo, hi, gammas[i - 1], t, _alpha(cal, acceptance, lo, hi), match)
+    return t
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A hierarchy with its gammas and its predicted latency."""
+
+    levels: tuple[str, ...]
+    gammas: tuple[int, ...]
+    seconds_per_token: float
+    speedup_vs_plain: float
+
+    @property
+    def name(self) -> str:
+        return ">".join(self.levels)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1.0 / self.seconds_per_token if self.seconds_per_token > 0 else math.inf
+
+    def as_dict(self) -> dict:
+        return {"levels": list(self.levels), "gammas": list(self.gammas), "seconds_per_token": self.seconds_per_token,
+                "tokens_per_second": self.tokens_per_second, "speedup_vs_plain": self.speedup_vs_plain}
+
+
+def _choice(cal: Calibration, levels, gammas, t: float) -> Choice:
+    return Choice(tuple(levels), tuple(gammas), t, cal.plain_seconds_per_token() / t)
+
+
+def best_hierarchy(cal: Calibration, candidates=None, max_gamma: int = DEFAULT_MAX_GAMMA,
+                   acceptance: dict | None = None, *, speculative_only: bool = False) -> Choice:
+    """The latency-optimal hierarchy over `candidates` (default: every level of the calibration) with gammas in
+    1..max_gamma. Dynamic program over levels by depth: best[k] = min(k drafting alone, min over lower i and g of
+    T_k(best[i])), exact because T_k is increasing in T_i. Plain decoding (["full"]) is always a candidate, unless
+    `speculative_only` (the best hierarchy with at least one level below the model, even if slower than plain)."""
+    if max_gamma < 1:
+        raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+    cands = sorted(set(candidates or cal.levels) | {FULL}, key=cal.depth)
+    if speculative_only and cands == [FULL]:
+        raise ValueError("speculative_only needs a candidate level below 'full'")
+    match = cal.ngram_match
+    best: dict[str, tuple[float, list[str], list[int]]] = {}
+    for k in cands:
+        if k == NGRAM:
+            best[k] = (cal.ngram_cost, [k], [])
+            continue
+        top = (math.inf if speculative_only and k == FULL else _draft_cost(cal, k), [k], [])
+        for i in cands:
+            if cal.depth(i) >= cal.depth(k):
+                break
+            t_i, lv, gm = best[i]
+            a = _alpha(cal, acceptance, i, k)
+            for g in range(1, max_gamma + 1):
+                t = _step(cal, i, k, g, t_i, a, match)
+                if t < top[0]:
+                    top = (t, lv + [k], gm + [g])
+        best[k] = top
+    t, lv, gm = best[FULL]
+    return _choice(cal, lv, gm, t)
+
+
+def _best_chain(cal: Calibration, levels: list[str], acceptance: dict | None, match: float, max_gamma: int
+                ) -> tuple[float, list[int]]:
+    """The best gammas (all >= 1) for a fixed chain: per level bottom-up (T_k is increasing in T_{k-1})."""
+    t = cal.ngram_cost if levels[0] == NGRAM else _draft_cost(cal, levels[0])
+    gammas = []
+    for i in range(1, len(levels)):
+        lo, hi = levels[i - 1], levels[i]
+        a = _alpha(cal, acceptance, lo, hi)
+        t, g = min((_step(cal, lo, hi, g, t, a, match), g) for g in range(1, max_gamma + 1))
+        gammas.append(g)
+    return t, gammas
+
+
+def best_gammas(levels, cal: Calibration, acceptance: dict | None = None, max_gamma: int = DEFAULT_MAX_GAMMA,
+                ngram_match: float | None = None) -> list[int]:
+    """The best gammas for the fixed hierarchy `levels`, each in 0..max_gamma (0 = skip: the level above drafts
+    itself; all zeros = plain decoding), given acceptance rates per pair (missing pairs: the calibration's).
+    Rates are rounded to 0.01 and the answer memoised on the calibration, so calling it every few rounds per row
+    costs a dict lookup."""
+    levels = _check_levels(cal, levels)
+    match = cal.ngram_match if ngram_match is None else ngram_match
+    pairs = [pair_key(a, b) for i, a in enumerate(levels) for b in levels[i + 1:]]
+    acc = {p: round(float(acceptance[p]), 2) for p in pairs if acceptance and acceptance.get(p) is not None}
+    key = ("best_gammas", tuple(levels), tuple(sorted(acc.items())), round(match, 2), max_gamma)
+    memo = cal._memo.setdefault("best_gammas", {})
+    if key in memo:
+        return list(memo[key])
+    K = len(levels) - 1
+    best_t, best = _draft_cost(cal, FULL), [0] * K  # plain decoding
+    for start in range(K - 1, -1, -1):  # the bottom level: shallower bottoms only when strictly better
+        chain = levels[start:]
+        t, gm = _best_chain(cal, chain, acc, round(match, 2), max_gamma)
+        if t < best_t * (1 - 1e-9):
+            best_t, best = t, [0] * start + gm
+    if len(memo) > 4096:
+        memo.clear()
+    memo[key] = tuple(best)
+    return best
+
+
+def named_hierarchies(cal: Calibration) -> dict[str, list[str]]:
+    """The hierarchies the tools report, by the decoder's strategy names (where the calibration has the levels)."""
+    exits = cal.model.get("exits", {})
+    d, v = (level_name(exits[k]) if k in exits else None for k in ("draft", "verify"))
+    out = {"ar": [FULL]}
+    if d:
+        out["self-spec"] = [d, FULL]
+    if d and v:
+        out["hispec"] = [d, v, FULL]
+    if NGRAM in cal.levels:
+        out["ngram"] = [NGRAM, FULL]
+        if d:
+            out["ngram>L_d"] = [NGRAM, d, FULL]
+    return out
+
+
+def predictions(cal: Calibration, max_gamma: int = DEFAULT_MAX_GAMMA, fixed: dict | None = None) -> list[dict]:
+    """One row per named hierarchy at its best gammas, then each of `fixed` ({label: (levels, gammas)}, e.g. the
+    checkpoint's defaults), then "best" (`best_hierarchy`): name, levels, gammas, seconds/token, tok/s, speedup."""
+    rows = []
+    plain = cal.plain_seconds_per_token()
+
+    def row(name, levels, gammas, t):
+        return {"name": name, "levels": list(levels), "gammas": list(gammas), "seconds_per_token": t,
+                "tokens_per_second": 1 / t, "speedup_vs_plain": plain / t}
+
+    for name, levels in named_hierarchies(cal).items():
+        t, gm = (plain, []) if levels == [FULL] else _best_chain(cal, levels, None, cal.ngram_match, max_gamma)
+        rows.append(row(name, levels, gm, t))
+    for name, (levels, gammas) in (fixed or {}).items():
+        rows.append(row(name, levels, gammas, time_per_token(levels, gammas, cal)))
+    b = best_hierarchy(cal, max_gamma=max_gamma)
+    rows.append(row("best", b.levels, b.gammas, b.seconds_per_token))
+    return rows
+
+
+def format_predictions(cal: Calibration, rows: list[dict]) -> str:
+    """Fixed-width table of `predictions(...)` rows, headed by the machine."""
+    w = max([len(r["name"]) for r in rows] + [9]) + 2
+    lines = [f"latency model, calibrated on {cal.describe_machine()}; context {cal.context} slots", "",
+             f"{'hierarchy':<{w}}{'levels':<22}{'gammas':<9}{'ms/token':>9}{'tok/s':>8}{'vs plain':>9}"]
+    for r in rows:
+        lines.append(f"{r['name']:<{w}}{'>'.join(r['levels']):<22}{','.join(map(str, r['gammas'])) or '-':<9}"
+                     f"{r['seconds_per_token'] * 1e3:>9.2f}{r['tokens_per_second']:>8.1f}"
+                     f"{r['speedup_vs_plain']:>8.2f}x")
+    acc = ", ".join(f"{k} {v:.2f}" for k, v in cal.acceptance.items())
+    lines += ["", f"acceptance (per token, greedy): {acc}; n-gram match {cal.ngram_match:.2f}"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+def median_times(fns: dict, repeats: int) -> dict:
+    """Median wall time of each callable, interleaved round by round (drift hits all alike), after a warm-up."""
+    for fn in fns.values():
+        fn()
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+class KVBench:
+    """A KV cache of `context` random positions through every layer (and the exit heads' own layers), to time
+    passes over T new positions after it; every timed call rolls its positions back."""
+
+    def __init__(self, model, context: int = 256, seed: int = 0):
+        self.model = model
+        ad = self.adapter = model.adapter
+        self.context = context
+        self.gen = torch.Generator().manual_seed(seed)
+        stateful = getattr(model, "stateful_heads", False)
+        heads = getattr(model, "heads", {})
+        self.cache = ad.new_cache(1, extra=2 if stateful else 0)
+        ids = torch.randint(0, ad.vocab_size, (1, context), generator=self.gen).to(ad.device)
+        pos = torch.arange(context, device=ad.device)[None]
+        valid = torch.ones_like(pos, dtype=torch.bool)
+        with torch.no_grad():
+            h = ad.run_layers(ad.embed(ids, pos), 0, ad.num_layers, position_ids=pos, cache=self.cache, valid=valid)
+            for head in (heads.values() if stateful else ()):
+                ad.run_module(head.layer, head.layer_type, h, cache_index=head.cache_index, position_ids=pos,
+                              cache=self.cache, valid=valid)
+        self.keep = torch.tensor([context], device=ad.device)
+
+    def hidden(self, T: int) -> torch.Tensor:
+        ad = self.adapter
+        return torch.randn(1, T, ad.hidden_size, generator=self.gen).to(ad.device, ad.dtype)
+
+    def _pos(self, T):
+        ad = self.adapter
+        return (self.context + torch.arange(T, device=ad.device)[None],
+                torch.ones(1, T, dtype=torch.bool, device=ad.device))
+
+    def layers(self, T: int, start: int = 0, end: int | None = None):
+        """A callable: layers [start, end) over T new positions, then rolled back."""
+        ad, end = self.adapter, self.adapter.num_layers if end is None else end
+        x, (pos, valid) = self.hidden(T), self._pos(T)
+
+        def run():
+            with torch.no_grad():
+                ad.run_layers(x, start, end, position_ids=pos, cache=self.cache, valid=valid)
+            self.cache.truncate(start, end, self.keep)
+
+        return run
+
+    def head(self, exit_name: str, T: int):
+        """A callable: exit head `exit_name` over T positions, as the decoder calls it (logits included)."""
+        model, ad = self.model, self.adapter
+        x, (pos, valid) = self.hidden(T), self._pos(T)
+        head = model.heads[exit_name]
+
+        def run_layer(module, hidden):
+            return ad.run_module(module, head.layer_type, hidden, cache_index=head.cache_index, position_ids=pos,
+                                 cache=self.cache, valid=valid)
+
+        def run():
+            with torch.no_grad():
+                model.exit_logits(exit_name, x, run_layer=run_layer if head.stateful else None)
+            if head.stateful:
+                self.cache.truncate(head.cache_index, head.cache_index + 1, self.keep)
+
+        return run
+
+    def final(self, T: int):
+        ad, x = self.adapter, self.hidden(T)
+
+        def run():
+            with torch.no_grad():
+                ad.final_logits(x)
+
+        return run
+
+
+def measure_layer_costs(model, rows=(1, 2, 4, 8), context: int = 256, repeats: int = 10,
+                        bench: KVBench | None = None) -> dict:
+    """{T: seconds of one decoder layer over T new positions}: a pass over all layers / depth (not one layer
+    timed alone, whose weights would stay in cache between repeats)."""
+    bench = bench or KVBench(model, context)
+    L = model.adapter.num_layers
+    return {T: t / L for T, t in median_times({T: bench.layers(T) for T in rows}, repeats).items()}
+
+
+def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: int = 256, repeats: int = 10) -> dict:
+    """Unit costs of an `EarlyExitModel`: {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}."""
+    bench = KVBench(model, context)
+    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    fns = {("final", T): bench.final(T) for T in rows}
+    fns.update({(name, T): bench.head(name, T) for name in exits for T in rows})
+    t = median_times(fns, repeats)
+    return {"layer": measure_layer_costs(model, rows, context, repeats, bench),
+            "head": {level_name(layer): {T: t[(name, T)] for T in rows} for name, layer in exits.items()},
+            "final": {T: t[("final", T)] for T in rows}}
+
+
+def _prompt_ids(model, prompt) -> list[int]:
+    from .prompts import Prompt, render
+
+    if isinstance(prompt, torch.Tensor):
+        return [int(x) for x in prompt.flatten().tolist()]
+    if isinstance(prompt, (list, tuple)):
+        return [int(x) for x in prompt]
+    text = prompt.text if isinstance(prompt, Prompt) else str(prompt)
+    if model.tokenizer is None:
+        raise ValueError("text prompts need the model's tokenizer, and this model has none; pass token id lists")
+    return render(model.tokenizer, text, chat=True)
+
+
+def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = NgramConfig(),
+              progress: bool = False, repeats: int = 10, max_gamma: int = DEFAULT_MAX_GAMMA) -> Calibration:
+    """Measure a `Calibration` of `model` (an `EarlyExitModel`) on this machine, in its dtype and thread count.
+
+    `prompts`: texts (rendered with the chat template), `hispec.prompts.Prompt`s or token id lists. Steps:
+    1. greedy answers (`strategy="ar"`, `max_new_tokens`), timed: the median decode step (prefill excluded);
+    2. prompt + answer teacher-forced once: per answer position the argmax of every exit head and of the model;
+       top-1 agreement per pair of levels; the n-gram lookup at every position over the known prefix: the share
+       that proposes (`ngram_match`), its per-token acceptance against each level above (walk the proposal until
+       the first mismatch, `acceptance_from_counts`) and its median lookup time;
+    3. unit costs (`measure_costs`) behind a KV cache of the typical context (median prompt + half an answer),
+       for T = 1..max(max_gamma, ngram.max_len) + 1;
+    4. `step_overhead` = median decode step - (L layer(1) + final(1)), clamped at 0."""
+    from tqdm.auto import tqdm
+
+    ad = model.adapter
+    L, dev = ad.num_layers, ad.device
+    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    ids_list = [_prompt_ids(model, p) for p in prompts]
+    if not ids_list or any(not ids for ids in ids_list):
+        raise ValueError("calibration needs at least one non-empty prompt")
+    max_pos = getattr(ad.config, "max_position_embeddings", None)
+
+    # 1. the model's own greedy answers, timed
+    answers, steps = [], []
+    for ids in tqdm(ids_list, desc="calibration: greedy answers", disable=not progress, file=sys.stderr):
+        n_new = max_new_tokens if not max_pos else max(0, min(max_new_tokens, max_pos - len(ids)))
+        t0 = time.perf_counter()
+        out = model.generate(torch.tensor([ids], device=dev), strategy="ar", max_new_tokens=n_new)
+        wall = time.perf_counter() - t0
+        new = list(out.new_tokens[0])
+        answers.append(new)
+        if len(new) >= 2:
+            steps.append((wall - out.stats.seconds.get("prefill", 0.0)) / (len(new) - 1))
+
+    # 2. acceptances, teacher-forced along those answers
+    levels = [level_name(layer) for layer in sorted(exits.values())] + [FULL]
+    agree = {pair_key(a, b): [0, 0] for i, a in enumerate(levels) for b in levels[i + 1:]}
+    ng = {lv: [0, 0, 0] for lv in levels}  # accepted, proposed, rejections
+    matched = positions = 0
+    lookups = []
+    bounds = sorted({0, L, *exits.values()})
+    for ids, ans in tqdm(list(zip(ids_list, answers)), desc="calibration: acceptance", disable=not progress,
+                         file=sys.stderr):
+        P, N = len(ids), len(ans)
+        if N < 2:
+            continue
+        seq = torch.tensor([ids + ans], device=dev)
+        pos = torch.arange(P + N, device=dev)[None]
+        cache = ad.new_cache(1)
+        arg = {}
+        with torch.no_grad():
+            h = ad.embed(seq, pos)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                h = ad.run_layers(h, a, b, position_ids=pos, cache=cache)
+                for name, layer in exits.items():
+                    if layer == b:
+                        head = model.heads[name]
+                        run_layer = head.run_layer_fresh(ad) if head.stateful else None
+                        feats = head(h, run_layer)[:, P: P + N - 1]  # positions predicting answer tokens 1..N-1
+                        arg[level_name(layer)] = model.project_exit(name, feats)[0].argmax(-1).tolist()
+            arg[FULL] = ad.final_logits(h[:, P: P + N - 1])[0].argmax(-1).tolist()
+        for key, c in agree.items():
+            lo, hi = key.split(">")
+            c[0] += sum(x == y for x, y in zip(arg[lo], arg[hi]))
+            c[1] += N - 1
+        tokens = seq[0].cpu()
+        for j in range(1, N):  # answer token j is next; known: prompt + answer[:j]
+            t0 = time.perf_counter()
+            prop = propose(tokens[: P + j], ngram).tolist()
+            lookups.append(time.perf_counter() - t0)
+            positions += 1
+            if not prop:
+                continue
+            matched += 1
+            for lv in levels:
+                c = ng[lv]
+                c[1] += len(prop)
+                for i, t in enumerate(prop):
+                    q = j + i
+                    if q >= N:
+                        break  # past the known answer: censored
+                    if t != arg[lv][q - 1]:
+                        c[2] += 1
+                        break
+                    c[0] += 1
+                    if t != ans[q]:
+                        break  # accepted by this level, but the answer (the teacher-forced context) goes elsewhere
+    if positions == 0:
+        raise ValueError(f"calibration needs answers of >= 2 tokens; got none (max_new_tokens={max_new_tokens})")
+    acceptance = {k: c[0] / c[1] for k, c in agree.items()}
+    for lv, (acc, prop_n, rej) in ng.items():
+        acceptance[pair_key(NGRAM, lv)] = acceptance_from_counts(acc, prop_n, rej) or 0.0
+
+    # 3. unit costs, behind the typical context
+    context = int(statistics.median(len(ids) + len(ans) // 2 for ids, ans in zip(ids_list, answers)))
+    if max_pos:
+        context = max(1, min(context, max_pos - 2 * (max_gamma + ngram.max_len) - 2))
+    rows = tuple(range(1, max(max_gamma, ngram.max_len) + 2))
+    if progress:
+        print(f"calibration: timing layers and heads ({context} KV slots, T = 1..{rows[-1]})", file=sys.stderr)
+    costs = measure_costs(model, rows, context, repeats)
+    costs["ngram"] = statistics.median(lookups)
+
+    # 4. the decoder's own overhead per pass
+    step = statistics.median(steps) if steps else None
+    modelled = L * costs["layer"][1] + costs["final"][1]
+    costs["step_overhead"] = max(0.0, step - modelled) if step else 0.0
+    measured = {"ar": 1.0 / step} if step else None
+    return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype), threads=torch.get_num_threads(),
+                       model=model_identity(model), costs=costs, acceptance=acceptance,
+                       ngram_match=matched / positions, measured=measured, context=context, positions=positions,
+                       ngram={"max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram, "max_len": ngram.max_len})
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def _write_json_atomic(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_calibration(folder: str | os.PathLike, cal: Calibration | None) -> Path:
+    """Store `cal` as config.json["hispec"]["calibration"] of the checkpoint `folder` (temporary file +
+    os.replace: a crash leaves the old config); None removes it."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: a calibration is stored in a local hispec checkpoint folder")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(cfg.get("hispec"), dict):
+        raise CalibrationError(f"{path} has no 'hispec' entry: a calibration belongs in a hispec checkpoint")
+    if cal is None:
+        cfg["hispec"].pop("calibration", None)
+    else:
+        cfg["hispec"]["calibration"] = cal.to_dict()
+    _write_json_atomic(path, cfg)
+    return path
+
+
+def read_calibration(source) -> Calibration | None:
+    """The calibration of a checkpoint, or None when it has none. `source`: an `EarlyExitModel` (its
+    `hispec_config.calibration`), a config.json dict, its "hispec" entry, a calibration dict, or a checkpoint
+    folder / config.json path."""
+    if source is None:
+        return None
+    if isinstance(source, Calibration):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        return read_calibration(json.loads(path.read_text(encoding="utf-8")))
+    if hasattr(source, "hispec_config"):
+        return read_calibration(getattr(source.hispec_config, "calibration", None))
+    if not isinstance(source, dict):
+        raise CalibrationError(f"cannot read a calibration from {type(source).__name__}")
+    if "costs" in source and "acceptance" in source:
+        return Calibration.from_dict(source)
+    if isinstance(source.get("hispec"), dict):
+        source = source["hispec"]
+    cal = source.get("calibration")
+    return None if cal is None else read_calibration(cal)
+
+
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "Choice",
+    "KVBench",
+    "acceptance_from_counts",
+    "best_gammas",
+    "best_hierarchy",
+    "calibrate",
+    "expected_tokens",
+    "format_predictions",
+    "interp",
+    "machine_fingerprint",
+    "measure_costs",
+    "measure_layer_costs",
+    "median_times",
+    "model_identity",
+    "named_hierarchies",
+    "predictions",
+    "read_calibration",
+    "time_per_token",
+    "write_calibration",
+]

@@ -1,0 +1,262 @@
+"""hispec.latency: closed forms, the recursion against hand computations, the dynamic program against brute force,
+calibration on a tiny model, storage in the checkpoint and refusal on another model or machine."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from tiny import tiny_model
+
+import hispec
+from hispec import latency as lt
+
+ROWS = range(1, 10)
+
+
+def synthetic(L=10, exits=(2, 5), layer=(1.0, 0.2), heads=((0.3, 0.05), (0.2, 0.05)), final=(2.0, 0.1),
+              ngram=0.05, overhead=0.1, acceptance=None, match=0.5) -> lt.Calibration:
+    """A calibration with linear unit costs: cost(T) = a + b (T - 1), measured at T = 1..9."""
+    lin = lambda ab: {T: ab[0] + ab[1] * (T - 1) for T in ROWS}  # noqa: E731
+    names = [f"L{e}" for e in exits]
+    levels = ["ngram"] + names + ["full"]
+    acc = {f"{a}>{b}": 0.5 for i, a in enumerate(levels) for b in levels[i + 1:]}
+    acc.update(acceptance or {})
+    return lt.Calibration(
+        machine={"cpu": "test cpu", "cpu_capability": "AVX2", "device": "cpu", "cuda_name": None},
+        dtype="float32", threads=1,
+        model={"num_layers": L, "exits": {"draft": exits[0], "verify": exits[1]}},
+        costs={"layer": lin(layer), "head": {n: lin(h) for n, h in zip(names, heads)}, "final": lin(final),
+               "ngram": ngram, "step_overhead": overhead},
+        acceptance=acc, ngram_match=match)
+
+
+def random_calibration(rnd: random.Random) -> lt.Calibration:
+    L = rnd.randint(6, 16)
+    d = rnd.randint(1, L - 2)
+    v = rnd.randint(d + 1, L - 1)
+    levels = ["ngram", f"L{d}", f"L{v}", "full"]
+    return synthetic(
+        L=L, exits=(d, v), layer=(rnd.uniform(0.5, 1.5), rnd.uniform(0.0, 0.3)),
+        heads=((rnd.uniform(0.05, 3), rnd.uniform(0, 0.3)), (rnd.uniform(0.05, 3), rnd.uniform(0, 0.3))),
+        final=(rnd.uniform(0.5, 4), rnd.uniform(0, 0.5)), ngram=rnd.uniform(0, 0.5), overhead=rnd.uniform(0, 2),
+        acceptance={f"{a}>{b}": rnd.choice([0.0, rnd.random(), rnd.uniform(0.8, 0.99)])
+                    for i, a in enumerate(levels) for b in levels[i + 1:]},
+        match=rnd.random())
+
+
+# ---------------------------------------------------------------------------------------------- closed forms
+def test_expected_tokens_edge_cases():
+    assert lt.expected_tokens(0.7, 0) == 1.0
+    assert lt.expected_tokens(0.0, 5) == 1.0
+    assert lt.expected_tokens(1.0, 3) == 4.0
+    assert lt.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert lt.expected_tokens(0.999999, 4) == pytest.approx(5.0, rel=1e-5)
+    assert lt.expected_tokens(1.3, 2) == 3.0 and lt.expected_tokens(-0.2, 2) == 1.0  # clamped to [0, 1]
+
+
+def test_acceptance_from_counts_is_the_censored_mle():
+    assert lt.acceptance_from_counts(3, 5, 1) == 0.75
+    assert lt.acceptance_from_counts(4, 4, 0) == 1.0  # all accepted: no rejection observed
+    assert lt.acceptance_from_counts(0, 0, 0) is None  # no evidence
+    with pytest.raises(ValueError, match="inconsistent"):
+        lt.acceptance_from_counts(3, 3, 1)
+
+
+def test_interpolation_between_and_beyond_measured_rows():
+    table = {1: 1.0, 3: 2.0, 5: 2.5}
+    assert lt.interp(table, 2) == 1.5 and lt.interp(table, 4) == 2.25
+    assert lt.interp(table, 7) == pytest.approx(3.0)  # the last segment's slope
+    assert lt.interp({1: 1.0, 2: 0.9}, 4) == 0.9  # never cheaper beyond the last row
+
+
+# ---------------------------------------------------------------------------------------------- the recursion
+def test_two_level_time_per_token_matches_a_hand_computation():
+    cal = synthetic()  # L=10, L2/L5, layer(T) = 1 + 0.2 (T-1), head_L2(T) = 0.3 + 0.05 (T-1), final = 2 + 0.1 (T-1)
+    cal.acceptance["L2>full"] = 0.6
+    draft = 2 * 1.0 + 0.3 + 0.1  # 2 layers + head at T=1 + overhead
+    verify = 2 * 1.0 + 8 * 1.6 + 2.3  # newest token through L2's range, 8 layers over 4 rows, final over 4 rows
+    E = (1 - 0.6 ** 4) / 0.4
+    assert lt.time_per_token(["L2", "full"], [3], cal) == pytest.approx((3 * draft + verify + 0.1) / E)
+    assert lt.time_per_token(["full"], [], cal) == pytest.approx(10 * 1.0 + 2.0 + 0.1)
+
+
+def test_three_level_time_per_token_matches_a_hand_computation():
+    cal = synthetic(acceptance={"L2>L5": 0.7, "L5>full": 0.8})
+    t0 = 2 * 1.0 + 0.3 + 0.1
+    v1 = 2 * 1.0 + 3 * 1.4 + 0.3  # L5 verifies 2 drafts: layers 2..5 over 3 rows, head_L5(3) = 0.2 + 0.1
+    t1 = (2 * t0 + v1 + 0.1) / (1 + 0.7 + 0.49)
+    v2 = 5 * 1.0 + 5 * 1.6 + 2.3  # the full model verifies 3 tokens: layers 5..10 over 4 rows
+    t2 = (3 * t1 + v2 + 0.1) / (1 + 0.8 + 0.64 + 0.512)
+    assert lt.time_per_token(["L2", "L5", "full"], [2, 3], cal) == pytest.approx(t2)
+    # observed rates override the calibration's
+    assert lt.time_per_token(["L2", "L5", "full"], [2, 3], synthetic(), acceptance={"L2>L5": 0.7, "L5>full": 0.8}
+                             ) == pytest.approx(t2)
+
+
+def test_ngram_level_matches_a_hand_computation():
+    cal = synthetic(acceptance={"ngram>full": 0.6}, match=0.5, ngram=0.05)
+    v5 = 10 * (1 + 0.2 * 4) + (2 + 0.1 * 4)  # all layers and the final projection over 4 proposals + 1
+    v1 = 10 * 1.0 + 2.0
+    E = (1 - 0.6 ** 5) / 0.4
+    want = (0.05 + 0.1 + 0.5 * v5 + 0.5 * v1) / (1 + 0.5 * (E - 1))
+    assert lt.time_per_token(["ngram", "full"], [4], cal) == pytest.approx(want)
+    # never matching: every round is a plain step plus a wasted lookup
+    assert lt.time_per_token(["ngram", "full"], [4], cal, ngram_match=0.0) == pytest.approx(0.05 + 0.1 + v1)
+
+
+def test_a_zero_gamma_skips_the_level_and_everything_below_it():
+    cal = synthetic()
+    plain = lt.time_per_token(["full"], [], cal)
+    assert lt.time_per_token(["L2", "L5", "full"], [3, 0], cal) == pytest.approx(plain)
+    assert lt.time_per_token(["L2", "L5", "full"], [0, 3], cal) == pytest.approx(
+        lt.time_per_token(["L5", "full"], [3], cal))
+    with pytest.raises(ValueError, match="increasing depth"):
+        lt.time_per_token(["L5", "L2", "full"], [1, 1], cal)
+    with pytest.raises(ValueError, match="unknown level"):
+        lt.time_per_token(["L3", "full"], [1], cal)
+    with pytest.raises(ValueError, match="need 1 gammas"):
+        lt.time_per_token(["L2", "full"], [1, 2], cal)
+
+
+# ---------------------------------------------------------------------------------------------- the optimum
+def test_best_hierarchy_is_plain_decoding_when_nothing_is_accepted():
+    cal = synthetic(acceptance={k: 0.0 for k in synthetic().acceptance}, match=0.0)
+    choice = lt.best_hierarchy(cal)
+    assert choice.levels == ("full",) and choice.gammas == () and choice.speedup_vs_plain == pytest.approx(1.0)
+    assert lt.best_gammas(["L2", "L5", "full"], cal, {}) == [0, 0]
+    assert lt.best_gammas(["ngram", "L2", "full"], cal, {}, ngram_match=0.0) == [0, 0]
+    spec = lt.best_hierarchy(cal, speculative_only=True)
+    assert len(spec.levels) >= 2 and spec.speedup_vs_plain < 1
+
+
+def test_best_hierarchy_speculates_when_drafts_are_cheap_and_accepted():
+    cal = synthetic(L=30, exits=(2, 8), layer=(1.0, 0.01), heads=((0.1, 0.0), (0.1, 0.0)), final=(3.0, 0.01),
+                    acceptance={"L2>L8": 0.9, "L2>full": 0.85, "L8>full": 0.95, "ngram>full": 0.0}, match=0.0)
+    choice = lt.best_hierarchy(cal)
+    assert choice.levels[0] == "L2" and choice.levels[-1] == "full" and min(choice.gammas) >= 1
+    assert choice.speedup_vs_plain > 2
+    assert lt.time_per_token(choice.levels, choice.gammas, cal) == pytest.approx(choice.seconds_per_token)
+    assert lt.best_gammas(["L2", "L8", "full"], cal, {})[0] >= 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dynamic_program_equals_brute_force_over_all_stacks_and_gammas(seed):
+    rnd = random.Random(seed)
+    cal = random_calibration(rnd)
+    G = 4
+    levels = cal.levels  # ngram, L_d, L_v, full
+    brute = []
+    for r in range(len(levels)):
+        for below in itertools.combinations(levels[:-1], r):
+            stack = list(below) + ["full"]
+            for gs in itertools.product(range(1, G + 1), repeat=len(stack) - 1):
+                brute.append((lt.time_per_token(stack, list(gs), cal), stack, gs))
+    t, stack, gs = min(brute, key=lambda x: x[0])
+    choice = lt.best_hierarchy(cal, max_gamma=G)
+    assert choice.seconds_per_token == pytest.approx(t, rel=1e-12)
+    assert lt.time_per_token(choice.levels, choice.gammas, cal) == pytest.approx(t, rel=1e-12)
+    assert choice.seconds_per_token <= lt.time_per_token(["full"], [], cal)
+    # best_gammas for a fixed list, with 0 = skip, against every gamma vector in 0..G
+    fixed = [lv for lv in levels if lv != "ngram"]
+    want = min(lt.time_per_token(fixed, list(gs), cal) for gs in itertools.product(range(G + 1), repeat=2))
+    got = lt.best_gammas(fixed, cal, {}, max_gamma=G)
+    assert lt.time_per_token(fixed, got, cal) == pytest.approx(want, rel=1e-12)
+
+
+def test_best_gammas_is_memoised_on_rounded_acceptances():
+    cal = synthetic()
+    a = lt.best_gammas(["L2", "L5", "full"], cal, {"L2>L5": 0.801, "L5>full": 0.9})
+    n = len(cal._memo["best_gammas"])
+    assert lt.best_gammas(["L2", "L5", "full"], cal, {"L2>L5": 0.799, "L5>full": 0.9}) == a
+    assert len(cal._memo["best_gammas"]) == n
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = hispec.EarlyExitModel.from_base(tiny_model("llama"), 2, 4, "linear")
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(3, 97, (6,), generator=g).tolist()
+    prompts = [base * 3, torch.randint(3, 97, (14,), generator=g).tolist()]  # one repetitive: the n-gram matches
+    with torch.random.fork_rng():
+        cal = lt.calibrate(model, prompts, max_new_tokens=16, repeats=2)
+    return model, cal
+
+
+def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
+    model, cal = tiny
+    assert cal.levels == ["ngram", "L2", "L4", "full"]
+    assert set(cal.acceptance) == {"ngram>L2", "ngram>L4", "ngram>full", "L2>L4", "L2>full", "L4>full"}
+    assert all(0.0 <= a <= 1.0 for a in cal.acceptance.values())
+    assert 0.0 <= cal.ngram_match <= 1.0 and cal.positions == 2 * 15
+    assert all(t > 0 for t in cal.costs["layer"].values()) and set(cal.costs["layer"]) == set(range(1, 10))
+    assert all(t > 0 for h in cal.costs["head"].values() for t in h.values())
+    assert all(t > 0 for t in cal.costs["final"].values())
+    assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0
+    assert cal.measured["ar"] > 0 and cal.context > 0 and cal.threads == torch.get_num_threads()
+    assert cal.model["exits"] == {"draft": 2, "verify": 4} and cal.dtype == "float32"
+    choice = lt.best_hierarchy(cal)
+    assert choice.speedup_vs_plain >= 1.0
+    cal.check(model)  # its own model, this machine
+
+
+def test_calibration_round_trips_through_json_and_the_checkpoint(tiny, tmp_path):
+    model, cal = tiny
+    d = json.loads(json.dumps(cal.to_dict()))
+    assert set(d["costs"]["layer"]) == {str(t) for t in range(1, 10)}  # int keys became strings
+    back = lt.Calibration.from_dict(d)
+    assert back == cal
+    assert lt.time_per_token(["L2", "L4", "full"], [2, 3], back) == lt.time_per_token(["L2", "L4", "full"], [2, 3], cal)
+    folder = model.save(tmp_path / "ck")
+    lt.write_calibration(folder, cal)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".config.json")]  # no temporary file left
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hispec"]["calibration"]["acceptance"] == cal.acceptance
+    assert lt.read_calibration(config) == cal and lt.read_calibration(folder) == cal
+    assert lt.read_calibration(config["hispec"]) == cal
+    lt.write_calibration(folder, None)
+    assert lt.read_calibration(folder) is None
+    with pytest.raises(lt.CalibrationError, match="malformed"):
+        lt.Calibration.from_dict({"costs": {}})
+
+
+def test_check_refuses_a_calibration_of_another_model(tiny):
+    _, cal = tiny
+    other = hispec.EarlyExitModel.from_base(tiny_model("llama"), 1, 3, "linear")  # the same base, other exits
+    with pytest.raises(lt.CalibrationError, match=r"another model.*exits"):
+        cal.check(other)
+    import transformers
+    from tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = 8
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    eight = hispec.EarlyExitModel.from_base(base, 2, 4, "linear")
+    with pytest.raises(lt.CalibrationError, match=r"another model.*num_layers: calibrated 6, model has 8"):
+        cal.check(eight, machine=False)
+
+
+def test_check_refuses_a_calibration_from_another_machine(tiny, monkeypatch):
+    model, cal = tiny
+    other = lt.Calibration.from_dict({**cal.to_dict(), "machine": {**cal.machine, "cpu": "Imaginary CPU 9000"}})
+    with pytest.raises(lt.CalibrationError, match=r"another machine.*Imaginary CPU 9000"):
+        other.check(model)
+    other.check(model, machine=False)  # the model itself still fits
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "NO_AVX")
+    with pytest.raises(lt.CalibrationError, match="cpu_capability"):
+        cal.check(model)
+
+
+def test_predictions_table_names_every_candidate_hierarchy(tiny):
+    _, cal = tiny
+    rows = lt.predictions(cal, fixed={"hispec (checkpoint defaults)": (["L2", "L4", "full"], [2, 4])})
+    names = [r["name"] for r in rows]
+    assert names == ["ar", "self-spec", "hispec", "ngram", "ngram>L_d", "hispec (checkpoint defaults)", "best"]
+    assert rows[0]["speedup_vs_plain"] == pytest.approx(1.0) and rows[-1]["speedup_vs_plain"] >= 1.0
+    text = lt.format_predictions(cal, rows)
+    assert "L2>L4>full" in text and cal.machine["cpu"] in text
