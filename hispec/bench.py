@@ -68,12 +68,14 @@ class BenchConfig:
     assistant_tokens: int | None = None  # hf-early-exit: num_assistant_tokens (None: transformers' default)
     tie_tolerance: float | None = None  # fp32 logit margin below which a divergence is a rounding tie (None: by dtype)
     tie_check: bool = True  # re-evaluate divergences in fp32 (costs one fp32 copy of the base when it is not fp32)
+    ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: the checkpoint's / defaults)
 
     def __post_init__(self):
         self.strategies = tuple(self.strategies)
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in self.strategies if s not in STRATEGIES and ">" not in s]
         if unknown:
-            raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+            raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
+                             "such as ngram>L4>full")
         if not self.strategies:
             raise ValueError("no strategies to run")
         if len(set(self.strategies)) != len(self.strategies):
@@ -109,6 +111,8 @@ class Counters:
     proposed_to_target: int | None = None
     layer_evals: int = 0  # decoder-layer evaluations beyond one pass over the prompt
     seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    hierarchy: str | None = None  # hispec: the levels it ran (auto: the chain it chose), e.g. "auto:ngram>L4>full"
+    plain_share: float | None = None  # auto: share of row rounds decoded plainly
 
 
 @dataclass
@@ -142,6 +146,7 @@ class BenchResult:
     model_info: dict
     hardware: dict
     tie_tolerance: float = 0.0
+    predictions: dict = field(default_factory=dict)  # strategy -> latency-model speedup vs ar (calibrated models)
 
 
 # ---------------------------------------------------------------------------------------------------- counting
@@ -268,18 +273,20 @@ class Runner:
             out = model.generate(ids, mask, max_new_tokens=n, strategy=strategy, do_sample=not cfg.greedy,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
                                  gamma=gamma if gamma is not None else cfg.gamma,
-                                 window=window if window is not None else cfg.window,
+                                 window=window if window is not None else cfg.window, ngram=cfg.ngram,
                                  eos_token_id=self.eos or None, pad_token_id=self.pad, generator=gen)
             secs = time.perf_counter() - t0
             s = out.stats
             tokens = list(out.new_tokens[0])
             counters = Counters(new_tokens=len(tokens), target_passes=s.target_row_passes,
-                                layer_evals=s.layer_evals - (P - 1) * L)
-            if strategy != "ar":
+                                layer_evals=s.layer_evals - (P - 1) * L, hierarchy=s.strategy)
+            if len(s.levels) > 1:
                 counters.drafted = s.drafted
                 counters.accepted_at_target, counters.proposed_to_target = s.accepted_at_target, s.proposed_to_target
-            if strategy == "hispec":
+            if len(s.levels) > 2:
                 counters.accepted_at_verify, counters.proposed_to_verify = s.accepted_at_verify, s.proposed_to_verify
+            if s.row_rounds:
+                counters.plain_share = s.plain_row_rounds / s.row_rounds
             counters.seconds.update({k: float(v) for k, v in s.seconds.items() if k in STAGES})
         counters.seconds["other"] = max(0.0, secs - sum(v for k, v in counters.seconds.items() if k != "other"))
         return Sample(seconds=secs, tokens=tokens, counters=counters)
@@ -395,7 +402,40 @@ def run_bench(model, prompts: list[Prompt], config: BenchConfig, progress: bool 
                         rec.margins[s] = checker.margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
         checker.close()
     return BenchResult(config=config, records=records, model_info=model_info(model), hardware=hardware_info(),
-                       tie_tolerance=tie_tolerance(config, model.dtype))
+                       tie_tolerance=tie_tolerance(config, model.dtype), predictions=predict_speedups(model, config))
+
+
+def predict_speedups(model, config: BenchConfig) -> dict:
+    """The latency model's speedup over plain decoding (`ar`) for each hispec strategy, from the checkpoint's
+    calibration (acceptances measured on other text than the benchmark's); {} without a usable calibration."""
+    from . import latency
+    from .decoding import _auto_chain, build_levels, parse_hierarchy
+    from .ngram import NgramConfig
+
+    cal = model.hispec_config.calibration
+    if not cal:
+        return {}
+    try:
+        cal = latency.Calibration.from_dict(cal)
+        cal.check(model)
+    except latency.CalibrationError:
+        return {}
+    hc = model.hispec_config
+    kw = dict(gamma=config.gamma or hc.gamma, window=config.window or hc.window,
+              ngram=NgramConfig(**(config.ngram or hc.ngram or {})))
+    plain = latency.time_per_token(["full"], [], cal)
+    out = {}
+    for s in config.strategies:
+        if s in HF_STRATEGIES:
+            continue
+        levels = _auto_chain(model, cal, **kw) if s == "auto" else build_levels(model, parse_hierarchy(s, model),
+                                                                                 **kw)
+        names = [lv.name for lv in levels]
+        t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
+        if s == "auto":  # rows may also decode plainly: the better of the two
+            t = min(t, plain)
+        out[s] = plain / t
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- environment
@@ -462,6 +502,11 @@ class StrategySummary:
     identical: float | None  # share of prompts whose new tokens equal the reference's (greedy only)
     identical_up_to_ties: float | None  # the same, counting a divergence at an fp32 near-tie as identical
     new_tokens: int
+    speedup_vs_ar: float | None = None  # vs hispec's own plain decoding (what the latency model predicts against)
+    predicted_speedup_vs_ar: float | None = None  # the latency model's prediction from the checkpoint's calibration
+    prediction_error: float | None = None  # predicted / measured - 1
+    plain_share: float | None = None  # auto: share of row rounds decoded plainly
+    hierarchy: str | None = None
 
 
 @dataclass
@@ -532,6 +577,16 @@ def _prompt_figures(rec: PromptRecord, ref: str | None, tol: float) -> dict[str,
     return out
 
 
+def _mean_opt(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _pass_ratio(records, s, idx) -> float:
+    cs = [x.counters for i in idx for x in records[i].samples[s]]
+    return sum(c.new_tokens for c in cs) / max(sum(c.target_passes for c in cs), 1)
+
+
 def summarize(result: BenchResult) -> Summary:
     cfg = result.config
     strategies = cfg.strategies
@@ -570,7 +625,15 @@ def summarize(result: BenchResult) -> Summary:
             identical=identity(s, every),
             identical_up_to_ties=identity(s, every, "identical_up_to_ties"),
             new_tokens=total("new_tokens") // max(cfg.repeats, 1),
+            speedup_vs_ar=ratios(s, "ar", every),
+            plain_share=_mean_opt([c.plain_share for c in cs]),
+            hierarchy=next((c.hierarchy for c in cs if c.hierarchy), None),
         )
+        pred = result.predictions.get(s)
+        if pred is not None:
+            summaries[s].predicted_speedup_vs_ar = pred
+            measured = summaries[s].speedup_vs_ar
+            summaries[s].prediction_error = None if not measured else pred / measured - 1
     cats: dict[str, list[int]] = {}
     for i, rec in enumerate(result.records):
         cats.setdefault(rec.category, []).append(i)
@@ -578,6 +641,7 @@ def summarize(result: BenchResult) -> Summary:
         c: {"prompts": len(idx),
             "strategies": {s: {"tokens_per_s": _median([figs[i][s]["tokens_per_s"] for i in idx]),
                                "speedup_vs_hf": ratios(s, "hf", idx),
+                               "tokens_per_target_pass": _pass_ratio(result.records, s, idx),
                                "identical": identity(s, idx),
                                "identical_up_to_ties": identity(s, idx, "identical_up_to_ties")}
                            for s in strategies}}
@@ -616,6 +680,14 @@ def format_table(summary: Summary) -> str:
             f"  {share:<37}{_f(s.identical):>10}{_f(s.identical_up_to_ties):>7}"
         )
     names = list(summary.strategies)
+    preds = [s for s in summary.strategies.values() if s.predicted_speedup_vs_ar is not None]
+    if preds:
+        lines += ["", "latency model (checkpoint calibration) vs measured, speedup over ar",
+                  f"{'strategy':<17}{'hierarchy':<26}{'predicted':>10}{'measured':>10}{'error':>8}{'plain %':>9}"]
+        for s in preds:
+            lines.append(f"{s.strategy:<17}{(s.hierarchy or '-')[:25]:<26}{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>10}"
+                         f"{_f(s.speedup_vs_ar, '{:.2f}x'):>10}{_f(s.prediction_error, '{:+.0%}'):>8}"
+                         f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>9}")
     width = max(12, *(len(n) + 2 for n in names))
     lines += ["", "speedup vs hf (identical share) by category", f"{'category':<16}{'n':>3}  "
               + "".join(f"{n:>{width}}" for n in names)]
@@ -883,14 +955,16 @@ def write_decoding_defaults(folder: str | os.PathLike, setting: Setting, *, writ
     cfg = json.loads(path.read_text(encoding="utf-8"))
     if "hispec" not in cfg:
         raise ValueError(f"{path} has no 'hispec' entry: --write-defaults needs a hispec checkpoint, not a base model")
-    h = cfg["hispec"]
-    decoding = dict(h.get("decoding", {}))
-    decoding["gamma"] = setting.gamma
+    from .model import HispecConfig
+
+    hc = HispecConfig.from_dict(cfg["hispec"])  # read any format, write the current one (other keys kept)
+    hc.gamma = setting.gamma
     if setting.window is not None:
-        decoding["window"] = setting.window
-    h["decoding"] = decoding
+        hc.window = setting.window
     if write_exits:
-        h["exits"] = {"draft": setting.draft_layer, "verify": setting.verify_layer or h["exits"]["verify"]}
+        hc.draft_layer, hc.verify_layer = setting.draft_layer, setting.verify_layer or hc.verify_layer
+    h = {**cfg["hispec"], **hc.to_dict()}
+    cfg["hispec"] = h
     fd, tmp = tempfile.mkstemp(prefix=".config.json.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

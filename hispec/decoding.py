@@ -1,23 +1,40 @@
-"""Decoding strategies on one machinery: `ar`, `self-spec` (L_d -> L) and `hispec` (L_d -> L_i -> L).
+"""Decoding strategies on one machinery: a *hierarchy* of levels, each proposing to or verifying the one below.
 
-A strategy is a list of *levels*, each an exit layer with a head: level 0 drafts token by token, level k >= 1
-verifies what level k-1 gathered, and the top level is the full model. The layers form one *range* per level,
-`[e_{k-1}, e_k)`; each range keeps its own KV length, and the hidden state entering range k is kept for every
-position that passed range k-1 but not range k (hidden-state reuse). A verification at level k "advances" ranges
-0..k over exactly the positions still pending for them, so KV written for a token that is later accepted is never
-recomputed (KV reuse); rejected positions are rolled back in every range.
+A level is one of
+- `ngram`: prompt lookup over the row's own prompt and output (`hispec.ngram`); no model cost; only at level 0;
+- an exit: the decoder layers up to the exit's layer plus its trained head (`draft` at L_d, `verify` at L_i);
+- `full`: the whole model, always the top.
+Level 0 drafts; each level k >= 1 verifies, in one pass, what level k-1 gathered, and the top level is the full
+model. Named strategies are hierarchies: `ar` = full, `self-spec` = draft>full, `hispec` = draft>verify>full,
+`ngram` = ngram>full, `ngram-self-spec` = ngram>draft>full, `ngram-hispec` = ngram>draft>verify>full; any other
+spec string (e.g. `"ngram>L8>full"`, exits named or given by layer) works too, and `auto` picks one from the
+checkpoint's calibration (`hispec.latency`) and adapts it per row while decoding (see `_AutoPolicy`).
+
+The model layers form one *range* per level, `[e_{k-1}, e_k)` (an `ngram` level's range is empty); each range keeps
+its own KV length, and the hidden state entering range k is kept for every position that passed range k-1 but not
+range k (hidden-state reuse). A verification at level k "advances" ranges 0..k over exactly the positions still
+pending for them, so KV written for a token that is later accepted is never recomputed (KV reuse); rejected
+positions are rolled back in every range.
 
 Per row (all tensors are `[B, ...]`; rows keep their own counts):
 - `tok[b, i]` is the i-th real token of row b, its absolute position is i; `seq[b]` tokens are known.
 - `ver[k][b]` tokens have been verified by level k (k >= 1); `ver[K]` are committed.
 - `done[j][b]` positions have passed range j. Invariant for j >= 1: `done[j] == ver[j] - 1`.
+- `gam[k][b]` (k < K): how many tokens level k gathers before level k+1 verifies them (for `ngram`: the longest
+  proposal). 0 means the row does not use level k nor anything below it: level k+1 produces its tokens itself (a
+  verification with nothing to verify yields one token, like a plain decoding step). So one batch can hold rows
+  that speculate with different depths and lengths, and rows that decode plainly.
 
-The prompt is prefilled through all layers at once and the full model picks the first new token.
+A round at level k, over the rows `active` for it: while some active row has gathered fewer than `gam[k-1]` tokens
+(and is not at its length limit, and an `ngram` level below it still has proposals), run a round at level k-1 for
+those rows only; then verify the active rows. The prompt is prefilled through all layers at once and the full
+model picks the first new token.
 
 Lossless: greedy verification keeps the longest prefix equal to the level's argmax; sampling uses speculative
-sampling at every level, with level k-1's stored probability rows as proposal and level k's as target, so the
-tokens a level accepts are exact samples of that level, and committed tokens are exact samples of the model.
-Whether a level verifies depends only on tokens already drawn, which keeps the argument valid.
+sampling at every level, with level k-1's stored probability rows as proposal and level k's as target (an `ngram`
+proposal is a point mass: accepted with probability p(x), else resampled from p without x), so the tokens a level
+accepts are exact samples of that level, and committed tokens are exact samples of the model. How many tokens a
+level gathers, and which levels a row uses, depend only on tokens already drawn, which keeps the argument valid.
 """
 
 from __future__ import annotations
@@ -27,30 +44,97 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ngram import NgramConfig, propose_batch
 from .sampling import greedy_accept, logits_to_probs, sample, speculative_accept
 
-STRATEGIES = ("ar", "self-spec", "hispec")
+NAMED = {
+    "ar": ("full",),
+    "self-spec": ("draft", "full"),
+    "hispec": ("draft", "verify", "full"),
+    "ngram": ("ngram", "full"),
+    "ngram-self-spec": ("ngram", "draft", "full"),
+    "ngram-hispec": ("ngram", "draft", "verify", "full"),
+}
+STRATEGIES = ("auto",) + tuple(NAMED)
+
+
+@dataclass
+class LevelStats:
+    """Counters of one level, summed over the batch."""
+
+    name: str
+    proposed: int = 0  # tokens the level below asked this level to verify (level 0: tokens it drafted)
+    accepted: int = 0  # of those, accepted
+    passes: int = 0  # batched passes (draft steps at level 0, verifications above)
+    row_passes: int = 0  # the same, counted per participating row
+    layer_evals: int = 0  # decoder-layer evaluations of real tokens in this level's range (+ its head layer)
+    seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["acceptance"] = self.acceptance
+        return d
 
 
 @dataclass
 class GenerationStats:
-    """Counters summed over the batch. Derived rates are properties."""
+    """Counters summed over the batch: one `LevelStats` per level of the hierarchy (bottom-up, the full model last).
+    The flat fields below are derived from them for the common two- and three-level strategies."""
 
+    levels: list[LevelStats] = field(default_factory=lambda: [LevelStats("full")])
     new_tokens: int = 0
-    drafted: int = 0  # tokens proposed by the draft head
-    accepted_at_verify: int = 0  # drafts the intermediate verifier accepted (hispec)
-    proposed_to_verify: int = 0
-    accepted_at_target: int = 0  # tokens the full model accepted of those proposed to it
-    proposed_to_target: int = 0
-    target_passes: int = 0  # batched full-model verification passes (ar: decode steps)
-    target_row_passes: int = 0  # the same, counted per participating row
-    verify_passes: int = 0
-    layer_evals: int = 0  # decoder-layer evaluations of real tokens, summed over positions
-    seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "target": 0.0})
+    prefill_seconds: float = 0.0
+    strategy: str = ""
+    plain_row_rounds: int = 0  # auto: rounds in which a row decoded plainly (all its speculation switched off)
+    row_rounds: int = 0  # auto: rounds summed over rows
+
+    @property
+    def top(self) -> LevelStats:
+        return self.levels[-1]
+
+    @property
+    def layer_evals(self) -> int:
+        return sum(lv.layer_evals for lv in self.levels)
+
+    @property
+    def target_passes(self) -> int:
+        return self.top.passes  # the prefill included
+
+    @property
+    def target_row_passes(self) -> int:
+        return self.top.row_passes
 
     @property
     def tokens_per_target_pass(self) -> float:
         return self.new_tokens / max(self.target_row_passes, 1)
+
+    @property
+    def drafted(self) -> int:
+        return self.levels[0].proposed if len(self.levels) > 1 else 0
+
+    @property
+    def accepted_at_target(self) -> int:
+        return self.top.accepted
+
+    @property
+    def proposed_to_target(self) -> int:
+        return self.top.proposed
+
+    @property
+    def accepted_at_verify(self) -> int:
+        return sum(lv.accepted for lv in self.levels[1:-1])
+
+    @property
+    def proposed_to_verify(self) -> int:
+        return sum(lv.proposed for lv in self.levels[1:-1])
+
+    @property
+    def verify_passes(self) -> int:
+        return sum(lv.passes for lv in self.levels[1:-1])
 
     @property
     def verify_acceptance(self) -> float:
@@ -60,13 +144,26 @@ class GenerationStats:
     def target_acceptance(self) -> float:
         return self.accepted_at_target / max(self.proposed_to_target, 1)
 
+    @property
+    def seconds(self) -> dict:
+        """Wall seconds by stage: prefill, draft (level 0), verify (intermediate levels), target (the full model)."""
+        K = len(self.levels) - 1
+        return {"prefill": self.prefill_seconds,
+                "draft": self.levels[0].seconds if K else 0.0,
+                "verify": sum(lv.seconds for lv in self.levels[1:-1]),
+                "target": self.top.seconds}
+
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items()}
-        d["seconds"] = dict(self.seconds)
-        d["tokens_per_target_pass"] = self.tokens_per_target_pass
-        d["verify_acceptance"] = self.verify_acceptance
-        d["target_acceptance"] = self.target_acceptance
-        return d
+        return {
+            "strategy": self.strategy, "new_tokens": self.new_tokens, "levels": [lv.as_dict() for lv in self.levels],
+            "seconds": self.seconds, "layer_evals": self.layer_evals, "drafted": self.drafted,
+            "tokens_per_target_pass": self.tokens_per_target_pass, "target_passes": self.target_passes,
+            "target_row_passes": self.target_row_passes,
+            "accepted_at_verify": self.accepted_at_verify, "proposed_to_verify": self.proposed_to_verify,
+            "accepted_at_target": self.accepted_at_target, "proposed_to_target": self.proposed_to_target,
+            "verify_acceptance": self.verify_acceptance, "target_acceptance": self.target_acceptance,
+            "plain_row_rounds": self.plain_row_rounds, "row_rounds": self.row_rounds,
+        }
 
 
 @dataclass
@@ -78,37 +175,91 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class Level:
-    exit_layer: int
-    head: str | None  # 'draft' / 'verify', or None for the model's own final norm + lm_head
-    threshold: int  # how many tokens this level gathers before the next level verifies them
+    kind: str  # 'ngram' | 'exit' | 'full'
+    exit_layer: int  # decoder layers run to reach this level (0 for ngram, num_layers for full)
+    head: str | None = None  # the exit head's name ('draft' / 'verify') for kind 'exit'
+    threshold: int = 1  # default gamma: tokens gathered before the next level verifies them (ngram: longest proposal)
+
+    @property
+    def name(self) -> str:
+        return {"ngram": "ngram", "full": "full"}.get(self.kind, f"L{self.exit_layer}")
 
 
-def levels_for(strategy: str, num_layers: int, draft_layer: int, verify_layer: int, gamma: int, window: int):
-    if strategy == "ar":
-        return [Level(num_layers, None, 1)]
-    if strategy == "self-spec":
-        return [Level(draft_layer, "draft", gamma), Level(num_layers, None, 1)]
-    if strategy == "hispec":
-        return [Level(draft_layer, "draft", gamma), Level(verify_layer, "verify", window), Level(num_layers, None, 1)]
-    raise ValueError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
+def parse_hierarchy(spec, model) -> list[str]:
+    """A strategy name or spec (`"ngram>L4>full"`, `"draft>verify>full"`, a list of such names) -> level names
+    bottom-up (`ngram`, exit head names, `full`); raises ValueError on anything malformed."""
+    if isinstance(spec, str):
+        if spec in NAMED:
+            return list(NAMED[spec])
+        parts = [p.strip() for p in spec.split(">")]
+    else:
+        parts = [str(p).strip() for p in spec]
+    by_layer = {f"L{model.hispec_config.layer_of(n)}": n for n in model.exit_names}
+    names = []
+    for p in parts:
+        if p in ("ngram", "full") or p in model.exit_names:
+            names.append(p)
+        elif p in by_layer:
+            names.append(by_layer[p])
+        else:
+            known = ", ".join(list(NAMED) + ["auto"])
+            exits = ", ".join(f"{n} (L{model.hispec_config.layer_of(n)})" for n in model.exit_names)
+            raise ValueError(f"unknown strategy or level {p!r} in {spec!r}: strategies are {known}; a hierarchy is "
+                             f"levels joined by '>' from ngram, this checkpoint's exits {exits}, and full")
+    if not names or names[-1] != "full":
+        raise ValueError(f"hierarchy {spec!r} must end with the full model ('full')")
+    if "ngram" in names[1:]:
+        raise ValueError(f"hierarchy {spec!r}: 'ngram' can only be the lowest level (it drafts, it cannot verify)")
+    depth = [0 if n == "ngram" else model.num_layers if n == "full" else model.hispec_config.layer_of(n)
+             for n in names]
+    if any(b <= a for a, b in zip(depth, depth[1:])):
+        raise ValueError(f"hierarchy {spec!r}: each level must be strictly deeper than the one below it "
+                         f"(layers {depth})")
+    return names
+
+
+def build_levels(model, names: list[str], gammas=None, *, gamma: int, window: int, ngram: NgramConfig) -> list[Level]:
+    """Level objects for level names; default thresholds: ngram -> its max_len, the lowest exit -> gamma, higher
+    exits -> window; `gammas` (one per non-top level) overrides them."""
+    levels = []
+    first_exit = next((n for n in names if n not in ("ngram", "full")), None)
+    for n in names:
+        if n == "ngram":
+            levels.append(Level("ngram", 0, None, ngram.max_len))
+        elif n == "full":
+            levels.append(Level("full", model.num_layers, None, 1))
+        else:
+            levels.append(Level("exit", model.hispec_config.layer_of(n), n, gamma if n == first_exit else window))
+    if gammas is not None:
+        gammas = list(gammas)
+        if len(gammas) != len(levels) - 1:
+            raise ValueError(f"gammas has {len(gammas)} values; the hierarchy {'>'.join(names)} needs one per level "
+                             f"below the full model ({len(levels) - 1})")
+        for g in gammas:
+            if not isinstance(g, int) or g < 1:
+                raise ValueError(f"gammas must be integers >= 1, got {gammas}")
+        levels = [Level(lv.kind, lv.exit_layer, lv.head, g) for lv, g in zip(levels, gammas)] + [levels[-1]]
+    return levels
 
 
 class _Run:
     """State and steps of one batched generation call."""
 
-    def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer):
+    def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer,
+                 ngram: NgramConfig, policy=None):
         self.model, self.adapter, self.levels = model, model.adapter, levels
         self.K = len(levels) - 1
         self.bounds = [0] + [lv.exit_layer for lv in levels]
         self.do_sample, self.warp, self.generator = do_sample, warp, generator
         self.eos = eos  # LongTensor of EOS ids (may be empty)
         self.stop_check, self.streamer = stop_check, streamer
-        self.stats = GenerationStats()
+        self.ngram, self.policy = ngram, policy
+        self.stats = GenerationStats(levels=[LevelStats(lv.name) for lv in levels])
         dev = self.adapter.device
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         self.limit = torch.as_tensor(limits, device=dev)
-        cap = int(self.limit.max()) + sum(lv.threshold for lv in levels) + len(levels) + 2
+        cap = int(self.limit.max()) + sum(lv.threshold for lv in levels) + max(ngram.max_len, 8) + len(levels) + 2
         self.tok = torch.zeros(B, cap, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             self.tok[b, : len(p)] = torch.as_tensor(p, device=dev)
@@ -116,15 +267,16 @@ class _Run:
         self.seq = lens.clone()
         self.ver = [None] + [lens.clone() for _ in range(self.K)]
         self.done = [torch.zeros_like(lens) for _ in range(self.K + 1)]
+        self.gam = [torch.full_like(lens, lv.threshold) for lv in levels[:-1]]
+        self.exhausted = torch.zeros(B, dtype=torch.bool, device=dev)  # an ngram level 0 has no more proposals
         H = self.adapter.hidden_size
         self.hid = [None] + [torch.zeros(B, cap, H, dtype=self.adapter.dtype, device=dev) for _ in range(self.K)]
         # `layer` heads keep their own KV as extra cache layers, advanced and rolled back with their exit's range
-        self.cache = self.adapter.new_cache(B, extra=2 if model.stateful_heads else 0)
+        self.cache = self.adapter.new_cache(B, extra=model.extra_cache_layers)
         self.state_heads = [None] * (self.K + 1)
         for j, lv in enumerate(levels[:-1]):
-            head = model.heads[lv.head]
-            if head.stateful:
-                self.state_heads[j] = head
+            if lv.kind == "exit" and model.heads[lv.head].stateful:
+                self.state_heads[j] = model.heads[lv.head]
         self.orig = torch.arange(B, device=dev)
         self.results: dict[int, list[int]] = {}
         # Sampling: probability rows of each level (except the top) by position, offset by `base`.
@@ -149,8 +301,8 @@ class _Run:
             inp = self.adapter.embed(self.tok.gather(1, idx), idx)
         else:
             inp = self.hid[j].gather(1, idx[..., None].expand(-1, -1, self.adapter.hidden_size))
-        out = self.adapter.run_layers(inp, a, b, position_ids=idx, cache=self.cache, valid=valid)
-        self.stats.layer_evals += int(n.sum()) * (b - a)
+        out = inp if a == b else self.adapter.run_layers(inp, a, b, position_ids=idx, cache=self.cache, valid=valid)
+        self.stats.levels[j].layer_evals += int(n.sum()) * (b - a)
         if j + 1 <= self.K:
             r, c = valid.nonzero(as_tuple=True)
             self.hid[j + 1][r, idx[r, c]] = out[r, c]
@@ -162,7 +314,7 @@ class _Run:
                                                position_ids=idx, cache=self.cache, valid=valid)
 
             feats = head(out, run_layer)
-            self.stats.layer_evals += int(n.sum())
+            self.stats.levels[j].layer_evals += int(n.sum())
         self.done[j] = torch.maximum(start, end)
         return out, start, feats
 
@@ -229,14 +381,34 @@ class _Run:
         self.seq = end + 1
         self.ver = [None] + [self.seq.clone() for _ in range(self.K)]
         self.base = self.seq.clone()
-        self.stats.target_passes += 1
-        self.stats.target_row_passes += len(end)
-        self.stats.seconds["prefill"] += time.perf_counter() - t0
+        self.stats.levels[-1].passes += 1
+        self.stats.levels[-1].row_passes += len(end)
+        self.stats.prefill_seconds += time.perf_counter() - t0
 
-    def draft_step(self):
-        """Level 0 proposes one token per row that still may grow (for `ar` that token is committed)."""
+    def draft_step(self, active: torch.Tensor):
+        """Level 0 proposes for the active rows that may still grow: one token (an exit, or the full model for
+        `ar`, where it is committed), or a whole n-gram continuation of up to gam[0] tokens."""
         t0 = time.perf_counter()
-        grow = self.seq < self._stop_pos()
+        st = self.stats.levels[0]
+        grow = active & (self.seq < self._stop_pos())
+        if self.levels[0].kind == "ngram":
+            room = torch.minimum(self.gam[0], self._stop_pos() - self.seq).clamp(min=0)
+            props, n = propose_batch(self.tok, self.seq, grow, room, self.ngram)
+            W = props.shape[1]
+            pos = (self.seq[:, None] + torch.arange(W, device=n.device)).clamp(max=self.tok.shape[1] - 1)
+            put = torch.arange(W, device=n.device) < n[:, None]
+            self.tok.scatter_(1, pos, torch.where(put, props, self.tok.gather(1, pos)))
+            if self.do_sample and self.K:  # an n-gram proposal is a point mass
+                V = self.adapter.vocab_size
+                onehot = torch.nn.functional.one_hot(props, V).float()
+                self._store_rows(0, self.seq, onehot)
+            self.seq = self.seq + n
+            self.exhausted |= grow
+            st.proposed += int(n.sum())
+            st.passes += int(bool(grow.any()))
+            st.row_passes += int(grow.sum())
+            st.seconds += time.perf_counter() - t0
+            return
         end = torch.where(grow, self.seq, self.done[0])
         out, start, hf = self._advance(0, end)
         if out is not None:
@@ -254,29 +426,31 @@ class _Run:
             pos = self.seq.clamp(max=self.tok.shape[1] - 1)
             self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
             self.seq = self.seq + grow.long()
-            if self.K:
-                self.stats.drafted += int(grow.sum())
-            else:
-                self.stats.target_passes += 1
-                self.stats.target_row_passes += int(grow.sum())
-        stage = "draft" if self.K else "target"
-        self.stats.seconds[stage] += time.perf_counter() - t0
+            st.proposed += int(grow.sum()) if self.K else 0
+            st.passes += 1
+            st.row_passes += int(grow.sum())
+        st.seconds += time.perf_counter() - t0
 
-    def needs_verify(self, k: int) -> bool:
-        """Level k must verify: some row gathered enough level-(k-1) tokens, or hit its length limit / EOS."""
+    def _ready(self, k: int) -> torch.Tensor:
+        """Rows for which level k may verify now: gathered gam[k-1] tokens, at their limit/EOS, or (ngram below)
+        out of proposals."""
         stop = self._stop_pos()
         count = torch.minimum(self.seq, stop) - self.ver[k]
-        full = (count >= self.levels[k - 1].threshold) | ((count > 0) & (self.seq >= stop))
-        return bool(full.any())
+        ready = (count >= self.gam[k - 1]) | (self.seq >= stop)
+        if k == 1 and self.levels[0].kind == "ngram":
+            ready |= self.exhausted
+        return ready
 
-    def verify(self, k: int):
-        """Level k verifies the tokens level k-1 gathered beyond ver[k], in every row that has some."""
+    def verify(self, k: int, active: torch.Tensor):
+        """Level k verifies, for the active rows, the tokens level k-1 gathered beyond ver[k]; a row with nothing
+        gathered (its level k-1 is switched off, or an n-gram found nothing) gets one token of level k's own."""
         t0 = time.perf_counter()
         stop = self._stop_pos()
         m = (torch.minimum(self.seq, stop) - self.ver[k]).clamp(min=0)
-        part = m > 0
+        part = active & ((m > 0) | (self.seq < stop))
         if not bool(part.any()):
             return
+        m = torch.where(part, m, torch.zeros_like(m))
         out = hf = None
         for j in range(k + 1):
             out, _, hf = self._advance(j, torch.where(part, self.seq, self.done[j]))
@@ -285,15 +459,18 @@ class _Run:
         logits = self._logits(k, feats, None if hf is None else hf[:, : M + 1])  # [B, M+1, V]
         cidx = (self.ver[k][:, None] + torch.arange(M, device=m.device)).clamp(max=self.tok.shape[1] - 1)
         cands = self.tok.gather(1, cidx)
+        probs = None
         if self.do_sample:
             probs = logits_to_probs(logits, **self.warp)
-            q = self._read_rows(k - 1, self.ver[k], M)
+            q = self._read_rows(k - 1, self.ver[k], M) if M else probs[:, :0]
             a, new = speculative_accept(cands, m, q, probs, self.generator)
             if k < self.K:
                 self._store_rows(k, self.ver[k], probs)
         else:
             a, new = greedy_accept(cands, m, logits)
         a = torch.where(part, a, torch.zeros_like(a))
+        if self.policy is not None:
+            self.policy.observe(self, k, part, m, a, new, probs)
         newpos = self.ver[k] + a
         has_new = part & (newpos < stop)
         pos = newpos.clamp(max=self.tok.shape[1] - 1)
@@ -303,7 +480,8 @@ class _Run:
         big = torch.full_like(newpos, torch.iinfo(torch.long).max)
         keep_below = torch.where(part, newpos, big)
         for j in range(self.K + 1):
-            self.cache.truncate(self.bounds[j], self.bounds[j + 1], keep_below)
+            if self.bounds[j] < self.bounds[j + 1]:
+                self.cache.truncate(self.bounds[j], self.bounds[j + 1], keep_below)
             if self.state_heads[j] is not None:
                 c = self.state_heads[j].cache_index
                 self.cache.truncate(c, c + 1, keep_below)
@@ -312,27 +490,28 @@ class _Run:
         self.seq = new_seq
         for i in range(1, k + 1):
             self.ver[i] = torch.where(part, new_seq, self.ver[i])
-        s = self.stats
+        if k == 1:
+            self.exhausted &= ~part
+        st = self.stats.levels[k]
+        st.accepted += int(a.sum())
+        st.proposed += int(m.sum())
+        st.passes += 1
+        st.row_passes += int(part.sum())
         if k == self.K:
-            s.accepted_at_target += int(a.sum())
-            s.proposed_to_target += int(m.sum())
-            s.target_passes += 1
-            s.target_row_passes += int(part.sum())
             self.base = torch.where(part, new_seq, self.base)
-            s.seconds["target"] += time.perf_counter() - t0
-        else:
-            s.accepted_at_verify += int(a.sum())
-            s.proposed_to_verify += int(m.sum())
-            s.verify_passes += 1
-            s.seconds["verify"] += time.perf_counter() - t0
+        st.seconds += time.perf_counter() - t0
 
-    def run_level(self, k: int):
+    def run_level(self, k: int, active: torch.Tensor):
+        """One round at level k for the active rows (see the module docstring)."""
         if k == 0:
-            self.draft_step()
+            self.draft_step(active)
             return
-        while not self.needs_verify(k):
-            self.run_level(k - 1)
-        self.verify(k)
+        while True:
+            todo = active & ~self._ready(k)
+            if not bool(todo.any()):
+                break
+            self.run_level(k - 1, todo)
+        self.verify(k, active)
 
     def commit(self) -> bool:
         """Hand over committed tokens, finish rows (EOS, length, stop strings); returns True while rows remain."""
@@ -368,19 +547,142 @@ class _Run:
         self.tok, self.seq, self.limit, self.prompt_len = map(sel, (self.tok, self.seq, self.limit, self.prompt_len))
         self.ver = [sel(v) for v in self.ver]
         self.done = [sel(d) for d in self.done]
+        self.gam = [sel(g) for g in self.gam]
+        self.exhausted = sel(self.exhausted)
         self.hid = [sel(h) for h in self.hid]
         self.rows = [sel(r) for r in self.rows]
         self.base, self.orig = sel(self.base), sel(self.orig)
         self.cache.reorder_batch(idx)
+        if self.policy is not None:
+            self.policy.keep_rows(idx)
 
     def run(self):
         self.prefill()
         alive = self.commit()
         while alive:
-            self.run_level(self.K)
+            if self.policy is not None:
+                self.policy.choose(self)
+            self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))
             alive = self.commit()
         self.stats.new_tokens = sum(len(t) for t in self.results.values())
         return self.results
+
+
+class _AutoPolicy:
+    """`strategy="auto"`: per-row online choice of how much of the hierarchy to use, by the latency model.
+
+    The hierarchy (`chain`, bottom-up, the full model last) is the latency-optimal speculative one for the
+    checkpoint's calibration. Each row keeps, for every adjacent pair of levels (i -> i+1), a decayed count of
+    accepted tokens and of rejections (each observation round: `acc = DECAY * acc + accepted`, `rej = DECAY * rej +
+    (accepted < proposed)`), started from the calibration's acceptance with the weight of PRIOR rounds; its
+    acceptance estimate is the i.i.d. maximum-likelihood `acc / (acc + rej)` (`latency.acceptance_from_counts`), and
+    for an n-gram level 0 also its match rate. Before every round the rule picks, per row, the lowest level s the
+    row uses (s = K: plain decoding) and the gammas of levels s..K-1 minimising the latency model's predicted time
+    per token (`latency.best_gammas`) under the row's own estimates, and writes them into `gam` (0 below s).
+    A row that has switched level s-1 off keeps measuring it for free: when level s produces a token itself, the
+    switched-off level's proposal for that position (its head on the exit state the pass just computed, or an
+    n-gram lookup) is compared with it (greedy: equal top-1; sampling: the exact acceptance probability
+    sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops to cheaper hierarchies, down to plain decoding,
+    when speculation stops paying, and climbs back one level at a time when it pays again.
+
+    The rule only changes how many tokens a level gathers and which levels a row uses, from tokens already drawn;
+    every token is still verified by the full model exactly as in a fixed hierarchy, so output is unchanged.
+    """
+
+    DECAY = 0.85
+    PRIOR = 2.0
+
+    def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8):
+        from . import latency
+
+        self.latency, self.cal, self.chain, self.max_gamma = latency, cal, chain, max_gamma
+        self.names = [lv.name for lv in chain]
+        K = len(chain) - 1
+        prior = [float(cal.acceptance.get(f"{a}>{b}", 0.0)) for a, b in zip(self.names, self.names[1:])]
+        self.acc = torch.tensor([[self.PRIOR * p for p in prior]] * B, dtype=torch.float64).reshape(B, K)
+        self.rej = torch.tensor([[self.PRIOR * (1 - p) for p in prior]] * B, dtype=torch.float64).reshape(B, K)
+        match = float(getattr(cal, "ngram_match", 0.0) or 0.0)
+        self.hit = torch.full((B,), self.PRIOR * match, dtype=torch.float64)
+        self.miss = torch.full((B,), self.PRIOR * (1 - match), dtype=torch.float64)
+        self.lowest = torch.zeros(B, dtype=torch.long)  # per row, the lowest level it used in the last round
+
+    # ---------------------------------------------------------------- estimates
+    def _update(self, i: int, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):
+        if rows.numel():
+            self.acc[rows, i] = self.DECAY * self.acc[rows, i] + accepted.double()
+            self.rej[rows, i] = self.DECAY * self.rej[rows, i] + rejected.double()
+
+    def _match(self, rows: torch.Tensor, hit: torch.Tensor):
+        if rows.numel():
+            self.hit[rows] = self.DECAY * self.hit[rows] + hit.double()
+            self.miss[rows] = self.DECAY * self.miss[rows] + (1 - hit.double())
+
+    def observe(self, run: _Run, k: int, part, m, a, new, probs):
+        """Called by `verify(k)` with its outcome, before the state moves on."""
+        i = k - 1
+        lower = run.levels[i]
+        cpu = lambda t: t.detach().cpu()  # noqa: E731
+        part, m, a = cpu(part), cpu(m), cpu(a)
+        gam_off = cpu(run.gam[i]) == 0
+        spoke = part & (m > 0)
+        rows = spoke.nonzero().flatten()
+        self._update(i, rows, a[rows].double(), (a[rows] < m[rows]).double())
+        if lower.kind == "ngram":
+            tried = part & (m == 0) & ~gam_off  # the n-gram was asked and found nothing
+            self._match(rows, torch.ones(len(rows)))
+            self._match(tried.nonzero().flatten(), torch.zeros(int(tried.sum())))
+        shadow = (part & (m == 0) & gam_off).nonzero().flatten()
+        if not shadow.numel():
+            return
+        dev_rows = shadow.to(run.seq.device)
+        newt = new[dev_rows]
+        if lower.kind == "ngram":
+            ones = torch.ones_like(dev_rows)
+            props, n = propose_batch(run.tok[dev_rows], run.seq[dev_rows], ones.bool(), ones, run.ngram)
+            has = cpu(n) > 0
+            self._match(shadow, has.double())
+            if probs is not None:
+                x = probs[dev_rows, 0].gather(-1, props[:, :1])[:, 0]
+            else:
+                x = (props[:, 0] == newt).double()
+            x = cpu(x).double()[has]
+            self._update(i, shadow[has], x, 1 - x)
+            return
+        if run.state_heads[i] is not None:  # a `layer` head needs its own KV: no free shadow, keep the estimate
+            return
+        # the switched-off exit's state at each row's last known position (all rows: one batched head call)
+        last = (run.seq - 1).clamp(min=0)
+        h = run.hid[k][torch.arange(len(last), device=last.device), last][:, None]
+        logits = run._logits(i, h)[:, 0][dev_rows]
+        if probs is not None:
+            q = logits_to_probs(logits, **run.warp)
+            x = torch.minimum(q, probs[dev_rows, 0]).sum(-1)
+        else:
+            x = (logits.argmax(-1) == newt).double()
+        x = cpu(x).double()
+        self._update(i, shadow, x, 1 - x)
+
+    # ---------------------------------------------------------------- choice
+    def choose(self, run: _Run):
+        alphas = self.acc / (self.acc + self.rej).clamp(min=1e-9)  # [B, K]: latency.acceptance_from_counts
+        match = self.hit / (self.hit + self.miss).clamp(min=1e-9)
+        K = len(self.chain) - 1
+        gam = [g.clone() for g in run.gam]
+        pairs = [f"{a}>{b}" for a, b in zip(self.names, self.names[1:])]
+        for b in range(alphas.shape[0]):
+            gs = self.latency.best_gammas(self.names, self.cal, dict(zip(pairs, alphas[b].tolist())),
+                                          max_gamma=self.max_gamma, ngram_match=float(match[b]))
+            self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
+            for i in range(K):
+                gam[i][b] = gs[i]
+        run.gam = gam
+        run.stats.row_rounds += alphas.shape[0]
+        run.stats.plain_row_rounds += int((self.lowest == K).sum())
+
+    def keep_rows(self, idx: torch.Tensor):
+        idx = idx.cpu()
+        self.acc, self.rej, self.hit, self.miss, self.lowest = (
+            t.index_select(0, idx) for t in (self.acc, self.rej, self.hit, self.miss, self.lowest))
 
 
 def _as_list(x) -> list[int]:
@@ -412,6 +714,57 @@ def _stop_checker(stop_strings, tokenizer):
     return check
 
 
+_warned: set = set()
+
+
+def default_strategy(model) -> str:
+    """`auto` when the checkpoint holds a calibration made on this kind of machine, else plain decoding (`ar`),
+    with a warning once: without measurements nothing says speculation pays here, and it must never be slower."""
+    cal = getattr(model.hispec_config, "calibration", None)
+    if cal:
+        from .latency import CalibrationError
+
+        try:
+            _calibration(model)
+            return "auto"
+        except CalibrationError as e:
+            why = str(e)
+    else:
+        why = "the checkpoint holds no calibration"
+    if why not in _warned:
+        _warned.add(why)
+        import warnings
+
+        warnings.warn(f"hispec: {why}; decoding plainly (strategy='ar'). Measure this machine with "
+                      "`hispec-export RUN --output-dir OUT --calibrate` or `hispec-bench --model CKPT --write-defaults`, "
+                      "or choose a strategy yourself.", stacklevel=3)
+    return "ar"
+
+
+def _calibration(model):
+    from .latency import Calibration, CalibrationError
+
+    cal = getattr(model.hispec_config, "calibration", None)
+    if not cal:
+        raise CalibrationError(
+            "strategy='auto' needs a calibration of this checkpoint on this machine: run `hispec-export RUN "
+            "--output-dir OUT --calibrate` or `hispec-bench --model CKPT --write-defaults`, or pick a strategy")
+    cal = cal if isinstance(cal, Calibration) else Calibration.from_dict(cal)
+    cal.check(model)
+    return cal
+
+
+def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
+    """The latency-optimal speculative hierarchy for the calibration (rows may still decode plainly)."""
+    from .latency import best_hierarchy
+
+    by_name = {f"L{model.hispec_config.layer_of(n)}": n for n in model.exit_names}
+    candidates = (["ngram"] if cal.acceptance.get("ngram>full") is not None else []) + list(by_name)
+    choice = best_hierarchy(cal, candidates=candidates, speculative_only=True)
+    names = [by_name.get(n, n) for n in choice.levels]
+    return build_levels(model, names, list(choice.gammas) or None, gamma=gamma, window=window, ngram=ngram)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -419,33 +772,45 @@ def generate(
     attention_mask=None,
     *,
     max_new_tokens: int = 128,
-    strategy: str = "hispec",
+    strategy: str | list | None = None,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     gamma: int | None = None,
     window: int | None = None,
+    gammas: list[int] | None = None,
+    ngram: NgramConfig | dict | None = None,
     eos_token_id=None,
     pad_token_id: int | None = None,
     stop_strings=None,
     streamer=None,
     generator: torch.Generator | None = None,
     tokenizer=None,
+    policy=None,
 ) -> GenerationOutput:
     """Generate with an `EarlyExitModel`. `input_ids` `[B, P]` may be left-padded (give `attention_mask`).
 
-    Strategies ignore what they do not use (`ar` ignores gamma/window). Defaults for gamma/window come from the
-    checkpoint's config; eos/pad from the base model's generation config.
+    `strategy`: `auto` (the default when the checkpoint holds a calibration for this machine, else `ar`), a named
+    hierarchy (`ar`, `self-spec`, `hispec`, `ngram`, `ngram-self-spec`, `ngram-hispec`) or a spec such as
+    `"ngram>L8>full"`. `gamma` sets the lowest exit's draft count, `window` the higher exits', `gammas` every
+    level's (one per level below the full model); `ngram` configures the n-gram level (`NgramConfig` or its fields:
+    max_ngram, min_ngram, max_len — max_len is that level's gamma). Defaults come from the checkpoint's config;
+    eos/pad from the base model's generation config. Strategies ignore what they do not use.
+
+    `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
+    `keep_rows(idx)` that sets the per-row gammas `run.gam` between rounds (see `_AutoPolicy`, which `auto` uses).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}")
     cfg = model.hispec_config
     gamma = cfg.gamma if gamma is None else gamma
     window = cfg.window if window is None else window
     for name, v in (("gamma", gamma), ("window", window)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if ngram is None:
+        ngram = NgramConfig(**(getattr(cfg, "ngram", None) or {}))
+    elif isinstance(ngram, dict):
+        ngram = NgramConfig(**ngram)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if do_sample and not temperature > 0:
@@ -454,6 +819,15 @@ def generate(
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if strategy is None:
+        strategy = default_strategy(model)
+    policy_cal = None
+    if strategy == "auto":
+        policy_cal = _calibration(model)
+        levels = _auto_chain(model, policy_cal, gamma=gamma, window=window, ngram=ngram)
+    else:
+        levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
+                              ngram=ngram)
     dev = model.device
     input_ids = torch.as_tensor(input_ids, device=dev)
     if input_ids.dim() == 1:
@@ -490,7 +864,8 @@ def generate(
     if streamer is not None and len(prompts) != 1:
         raise ValueError("streaming supports batch size 1 only")
 
-    levels = levels_for(strategy, model.num_layers, model.draft_layer, model.verify_layer, gamma, window)
+    if policy_cal is not None:
+        policy = _AutoPolicy(levels, policy_cal, len(prompts), dev)
     run = _Run(
         model,
         levels,
@@ -502,7 +877,10 @@ def generate(
         generator=generator,
         stop_check=_stop_checker(stop_strings, tokenizer if tokenizer is not None else model.tokenizer),
         streamer=streamer,
+        ngram=ngram,
+        policy=policy,
     )
+    run.stats.strategy = ("auto:" if policy_cal is not None else "") + ">".join(lv.name for lv in levels)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if max_new_tokens == 0:

@@ -25,7 +25,7 @@ from .heads import EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
 from .layers import DecoderAdapter
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: exits as a list, decoding.ngram, calibration; version-1 configs still load
 HEADS_FILE = "hispec_heads.safetensors"
 EXITS = ("draft", "verify")
 DEFAULT_GAMMA = 4
@@ -58,7 +58,13 @@ def validate_exits(draft_layer: int, verify_layer: int, num_layers: int) -> None
 
 @dataclass
 class HispecConfig:
-    """What config.json's "hispec" key holds."""
+    """What config.json's "hispec" key holds.
+
+    Format 2 (written now): `"exits": [{"name": "draft", "layer": 4, "vocab_size": 8192}, {"name": "verify", ...}]`
+    (ordered by depth), `"decoding": {"gamma", "window", "ngram": {...}}` and an optional `"calibration"` (the
+    latency model's measurements on one machine, see hispec.latency). Format 1 (`"exits": {"draft": 4, "verify":
+    8}`, vocab sizes at the top level) is still read.
+    """
 
     draft_layer: int
     verify_layer: int
@@ -70,17 +76,34 @@ class HispecConfig:
     window: int = DEFAULT_WINDOW
     base: dict = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    ngram: dict = field(default_factory=dict)  # NgramConfig fields for the n-gram level (empty: its defaults)
+    calibration: dict | None = None  # hispec.latency.Calibration.to_dict(), or None
+
+    @property
+    def exits(self) -> dict[str, int]:
+        """Exit name -> layer, ordered by depth."""
+        return {"draft": self.draft_layer, "verify": self.verify_layer}
+
+    def layer_of(self, exit_name: str) -> int:
+        try:
+            return self.exits[exit_name]
+        except KeyError:
+            raise ValueError(f"unknown exit {exit_name!r}; this checkpoint has {', '.join(self.exits)}") from None
 
     def to_dict(self) -> dict:
-        return {
-            "version": self.version,
-            "exits": {"draft": self.draft_layer, "verify": self.verify_layer},
+        d = {
+            "version": FORMAT_VERSION,
+            "exits": [{"name": n, "layer": layer, "vocab_size": getattr(self, f"{n}_vocab_size")}
+                      for n, layer in self.exits.items()],
             "head": {"type": self.head_type, "rank": self.head_rank, "shape": "residual-to-hidden"},
-            "draft_vocab_size": self.draft_vocab_size,
-            "verify_vocab_size": self.verify_vocab_size,
             "decoding": {"gamma": self.gamma, "window": self.window},
             "base": dict(self.base),
         }
+        if self.ngram:
+            d["decoding"]["ngram"] = dict(self.ngram)
+        if self.calibration:
+            d["calibration"] = self.calibration
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> HispecConfig:
@@ -90,17 +113,31 @@ class HispecConfig:
                 raise CheckpointError(
                     f"checkpoint format version {version} is newer than this hispec ({FORMAT_VERSION}); upgrade hispec"
                 )
+            exits = d["exits"]
+            if isinstance(exits, dict):  # format 1
+                layers = {n: int(exits[n]) for n in EXITS}
+                vocab = {n: d.get(f"{n}_vocab_size") for n in EXITS}
+            else:
+                layers = {e["name"]: int(e["layer"]) for e in exits}
+                vocab = {e["name"]: e.get("vocab_size") for e in exits}
+                if sorted(layers) != sorted(EXITS):
+                    raise CheckpointError(
+                        f"checkpoint exits {sorted(layers)}: this hispec loads exactly the exits {list(EXITS)}"
+                    )
+            dec = d.get("decoding", {})
             return cls(
-                draft_layer=int(d["exits"]["draft"]),
-                verify_layer=int(d["exits"]["verify"]),
+                draft_layer=layers["draft"],
+                verify_layer=layers["verify"],
                 head_type=d["head"]["type"],
                 head_rank=d["head"].get("rank"),
-                draft_vocab_size=d.get("draft_vocab_size"),
-                verify_vocab_size=d.get("verify_vocab_size"),
-                gamma=int(d.get("decoding", {}).get("gamma", DEFAULT_GAMMA)),
-                window=int(d.get("decoding", {}).get("window", DEFAULT_WINDOW)),
+                draft_vocab_size=vocab["draft"],
+                verify_vocab_size=vocab["verify"],
+                gamma=int(dec.get("gamma", DEFAULT_GAMMA)),
+                window=int(dec.get("window", DEFAULT_WINDOW)),
                 base=dict(d.get("base", {})),
                 version=version,
+                ngram=dict(dec.get("ngram") or {}),
+                calibration=d.get("calibration"),
             )
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"malformed 'hispec' config entry ({e!r}): {d}") from e
@@ -229,6 +266,16 @@ class EarlyExitModel(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
+
+    @property
+    def exit_names(self) -> list[str]:
+        """The exits' names, ordered by depth."""
+        return list(self.hispec_config.exits)
+
+    @property
+    def extra_cache_layers(self) -> int:
+        """Cache layers beyond the model's own that decoding must allocate (the `layer` heads' KV)."""
+        return len(EXTRA_CACHE_INDEX) if self.stateful_heads else 0
 
     @property
     def device(self) -> torch.device:
@@ -383,7 +430,8 @@ class EarlyExitModel(nn.Module):
 
     # ------------------------------------------------------------------ decoding
     def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Decode with strategy 'ar' | 'self-spec' | 'hispec'; see `hispec.decoding.generate`."""
+        """Decode with a strategy ('auto', 'ar', 'self-spec', 'hispec', 'ngram', ... or a hierarchy such as
+        'ngram>L4>full'); see `hispec.decoding.generate`."""
         from .decoding import generate
 
         return generate(self, input_ids, attention_mask=attention_mask, **kwargs)

@@ -209,7 +209,7 @@ def test_sweep_picks_a_lossless_setting_and_writes_it_into_the_checkpoint(checkp
     assert result["written"]["gamma"] == best["gamma"]
     cfg = json.loads((ckpt / "config.json").read_text())["hispec"]
     assert cfg["decoding"] == {"gamma": best["gamma"], "window": best["window"]}
-    assert cfg["exits"] == {"draft": 2, "verify": 4}  # trained heads stay where they were trained
+    assert [(e["name"], e["layer"]) for e in cfg["exits"]] == [("draft", 2), ("verify", 4)]  # trained heads stay
     reloaded = hispec.load(ckpt)
     assert (reloaded.hispec_config.gamma, reloaded.hispec_config.window) == (best["gamma"], best["window"])
     assert not list(ckpt.glob(".config.json.*"))  # no temporary file left behind
@@ -242,7 +242,7 @@ def test_write_defaults_replaces_config_atomically_and_keeps_other_keys(checkpoi
     bench.write_decoding_defaults(ckpt, bench.Setting("hispec", 1, 3, 5, 6), write_exits=True)
     after = json.loads((ckpt / "config.json").read_text())
     assert after["hispec"]["decoding"] == {"gamma": 5, "window": 6}
-    assert after["hispec"]["exits"] == {"draft": 1, "verify": 3}
+    assert hispec.model.HispecConfig.from_dict(after["hispec"]).exits == {"draft": 1, "verify": 3}
     assert {k: v for k, v in after.items() if k != "hispec"} == {k: v for k, v in before.items() if k != "hispec"}
 
 

@@ -11,7 +11,10 @@ from tiny import FAMILIES, tiny_model
 import hispec
 from hispec import decoding, sampling
 
-STRATEGIES = ("ar", "self-spec", "hispec")
+# every hierarchy shape: plain, one exit, two exits, n-gram alone / under one / two exits, an exit skipped
+STRATEGIES = ("ar", "self-spec", "hispec", "ngram", "ngram-self-spec", "ngram-hispec", "verify>full",
+              "ngram>verify>full")
+SPECULATIVE = STRATEGIES[1:]
 
 
 def _wrap(base, head_type="shared", draft=2, verify=4, **kw):
@@ -53,7 +56,7 @@ def test_each_row_equals_its_single_sequence_run(batch_size):
             p.add_(torch.randn_like(p) * 0.05)
     ids, am = _ragged(batch_size, 8, seed=batch_size)
     ref = _hf_greedy(model.base, ids, am, 13)
-    for strategy in ("self-spec", "hispec"):
+    for strategy in SPECULATIVE:
         out = model.generate(ids, am, max_new_tokens=13, strategy=strategy, gamma=2, window=3)
         assert torch.equal(out.sequences, ref)
         for b in range(batch_size):
@@ -134,10 +137,11 @@ def test_heads_that_accept_nothing_still_give_identical_output():
             head.adapter.weight.copy_(-2 * torch.eye(head.adapter.weight.shape[0]))
     ids, am = _ragged(3, 8)
     ref = _hf_greedy(model.base, ids, am, 12)
-    for strategy in ("self-spec", "hispec"):
+    for strategy in SPECULATIVE:
         out = model.generate(ids, am, max_new_tokens=12, strategy=strategy, gamma=3, window=2)
         assert torch.equal(out.sequences, ref)
-        assert out.stats.accepted_at_target <= 2
+        if "ngram" not in strategy:  # (an n-gram level still copies the repeats these models fall into)
+            assert out.stats.accepted_at_target <= 2
 
 
 def test_stats_count_stages_consistently():
@@ -201,12 +205,56 @@ def test_stop_strings_end_the_row_after_the_completing_token():
         (dict(max_new_tokens=10_000), "exceeds the model's context"),
         (dict(do_sample=True, temperature=0.0), "temperature"),
         (dict(top_p=1.5), "top_p"),
+        (dict(strategy="verify>draft>full"), "strictly deeper"),
+        (dict(strategy="draft>ngram>full"), "lowest level"),
+        (dict(strategy="draft>verify"), "must end with the full model"),
+        (dict(strategy="ngram>L3>full"), "unknown strategy or level 'L3'"),
+        (dict(strategy="hispec", gammas=[2]), "one per level"),
+        (dict(strategy="self-spec", gammas=[0]), "gammas must be integers >= 1"),
+        (dict(strategy="ngram", ngram=dict(max_ngram=0)), "max_ngram must be an integer >= 1"),
+        (dict(strategy="ngram", ngram=dict(min_ngram=3, max_ngram=2)), "min_ngram"),
     ],
 )
 def test_bad_input_gets_a_clear_error_before_any_work(kwargs, match):
     model = _wrap(tiny_model("llama"))
     with pytest.raises(ValueError, match=match):
         model.generate(torch.tensor([[5, 6, 7]]), **kwargs)
+
+
+class _RandomGammas:
+    """A policy that gives every row random gammas each round, 0 (level and all below off) included."""
+
+    def __init__(self, seed):
+        self.g = torch.Generator().manual_seed(seed)
+        self.zeros = 0
+
+    def choose(self, run):
+        for i, lv in enumerate(run.levels[:-1]):
+            run.gam[i] = torch.randint(0, 5, run.gam[i].shape, generator=self.g)
+            self.zeros += int((run.gam[i] == 0).sum())
+
+    def observe(self, *a):
+        pass
+
+    def keep_rows(self, idx):
+        pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-sliding", "gemma2"])
+def test_rows_switching_levels_on_and_off_every_round_stay_identical(family):
+    """Per-row gammas, 0 = the row does not use that level or any below it (down to plain decoding), changed at
+    random every round in one batch: greedy output is still transformers' own, for every hierarchy."""
+    model = _wrap(tiny_model(family), head_type="linear")
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids, am = _ragged(5, 9, seed=4)
+    ref = _hf_greedy(model.base, ids, am, 15)
+    for strategy in SPECULATIVE:
+        policy = _RandomGammas(seed=len(strategy))
+        out = model.generate(ids, am, max_new_tokens=15, strategy=strategy, policy=policy)
+        assert torch.equal(out.sequences, ref), strategy
+        assert policy.zeros > 0
 
 
 def test_empty_prompt_is_refused():
@@ -277,16 +325,22 @@ WARPS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)]
 
 
 @pytest.mark.parametrize("warp", WARPS, ids=["plain", "warped"])
-@pytest.mark.parametrize("strategy", ["self-spec", "hispec"])
+@pytest.mark.parametrize("strategy", SPECULATIVE)
 def test_sampling_matches_the_exact_distribution(strategy, warp):
     model = _tiny_vocab_model()
     prompt, n = [1, 3, 2], 3
     outcomes, probs = _exact_joint(model, prompt, n, warp)
     samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
     assert _chi2_pvalue(samples, outcomes, probs) > 1e-4
+    if "ngram" in strategy:  # the test has teeth: point-mass proposals were made, some accepted, some rejected
+        out = model.generate(torch.tensor([prompt] * 500), max_new_tokens=n, strategy=strategy, do_sample=True,
+                             gamma=2, window=2, generator=torch.Generator().manual_seed(1), **warp)
+        lv = out.stats.levels[1]
+        assert out.stats.levels[0].proposed > 100 and 0 < lv.accepted < lv.proposed
 
 
-def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch):
+@pytest.mark.parametrize("strategy", ["hispec", "ngram"])
+def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch, strategy):
     model = _tiny_vocab_model()
     prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)
     outcomes, probs = _exact_joint(model, prompt, n, warp)
@@ -296,5 +350,5 @@ def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch):
         return a, sampling.sample(p_rows[torch.arange(len(m)), a], generator)
 
     monkeypatch.setattr(decoding, "speculative_accept", always_accept)
-    samples = _draw(model, prompt, n, warp, "hispec", draws=6000, seed=11)
+    samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
     assert _chi2_pvalue(samples, outcomes, probs) < 1e-6

@@ -215,6 +215,39 @@ def test_every_head_type_round_trips(head_type, tmp_path):
         torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0)
 
 
+def test_a_format_1_checkpoint_still_loads_and_decodes_the_same(tmp_path):
+    """Format 1 wrote exits as {"draft": L, "verify": L} and vocabulary sizes at the top level."""
+    model = _wrap("llama", "linear", draft=2, verify=4)
+    model.save(tmp_path / "v2")
+    cfg_path = tmp_path / "v2" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["hispec"].update(version=1, exits={"draft": 2, "verify": 4}, draft_vocab_size=None, verify_vocab_size=None)
+    cfg_path.write_text(json.dumps(cfg))
+    loaded = hispec.load(tmp_path / "v2")
+    assert (loaded.draft_layer, loaded.verify_layer, loaded.hispec_config.version) == (2, 4, 1)
+    ids = _ids(model)
+    a = model.generate(ids, max_new_tokens=8, strategy="hispec")
+    b = loaded.generate(ids, max_new_tokens=8, strategy="hispec")
+    assert torch.equal(a.sequences, b.sequences)
+    loaded.save(tmp_path / "again")  # re-saved in the current format
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["hispec"]["version"] == 2
+
+
+def test_a_checkpoint_with_exits_this_version_cannot_load_is_refused_clearly(tmp_path):
+    model = _wrap("llama", "linear", draft=2, verify=4)
+    model.save(tmp_path / "c")
+    cfg_path = tmp_path / "c" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["hispec"]["exits"].append({"name": "third", "layer": 5})
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(hispec.CheckpointError, match="loads exactly the exits"):
+        hispec.load(tmp_path / "c")
+    cfg["hispec"]["version"] = 99
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(hispec.CheckpointError, match="newer than this hispec"):
+        hispec.load(tmp_path / "c")
+
+
 def test_config_json_carries_one_hispec_key_with_exits_head_decoding_and_base(tmp_path):
     model = _wrap("qwen2", "lowrank", draft=2, verify=5, gamma=3, window=5)
     model.save(tmp_path / "ckpt")
@@ -222,7 +255,8 @@ def test_config_json_carries_one_hispec_key_with_exits_head_decoding_and_base(tm
     assert cfg["model_type"] == "qwen2" and cfg["num_hidden_layers"] == 6  # still a plain HF config
     h = cfg["hispec"]
     assert h["version"] == hispec.model.FORMAT_VERSION
-    assert h["exits"] == {"draft": 2, "verify": 5}
+    assert h["exits"] == [{"name": "draft", "layer": 2, "vocab_size": None},
+                          {"name": "verify", "layer": 5, "vocab_size": None}]
     assert h["head"]["type"] == "lowrank" and h["head"]["rank"] == RANK
     assert h["decoding"] == {"gamma": 3, "window": 5}
     assert h["heads_only"] is False

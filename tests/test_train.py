@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import hispec.model
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -117,7 +119,7 @@ def test_end_to_end_writes_heads_config_and_metrics(env, tmp_path):
     base.load_heads(out / "hispec_heads.safetensors")  # loads strictly
 
     info = json.loads((out / "hispec_train.json").read_text())
-    assert info["hispec"]["exits"] == {"draft": 2, "verify": 4}
+    assert hispec.model.HispecConfig.from_dict(info["hispec"]).exits == {"draft": 2, "verify": 4}
     assert info["hispec"]["head"]["type"] == "lowrank" and info["hispec"]["head"]["rank"] == 4
     assert info["base"]["num_hidden_layers"] == 6 and info["base"]["vocab_size"] == 97
     assert info["args"]["learning_rate"] == 3e-2 and info["steps"] == 12
@@ -564,7 +566,7 @@ def test_smollm2_self_distill_smoke(demo_model_dir, tmp_path):
     rows = [json.loads(x) for x in (out / "self_distill" / "part-rank0.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
     info = json.loads((out / "hispec_train.json").read_text())
-    assert info["hispec"]["exits"] == {"draft": 4, "verify": 8}  # round(30/8), round(30/4)
+    assert hispec.model.HispecConfig.from_dict(info["hispec"]).exits == {"draft": 4, "verify": 8}  # round(30/8), round(30/4)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["final"]["draft"]["top1_agreement"] >= 0
 

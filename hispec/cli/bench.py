@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy, identity to hf checked (default); > 0 samples, identity not checked")
     r.add_argument("--gamma", type=int, help="drafts per round (default: the checkpoint's)")
     r.add_argument("--window", type=int, help="tokens gathered before full verification (default: the checkpoint's)")
+    r.add_argument("--ngram-max", type=int, help="n-gram level: longest suffix matched (default 3)")
+    r.add_argument("--ngram-min", type=int, help="n-gram level: shortest suffix tried (default 1)")
+    r.add_argument("--ngram-tokens", type=int, help="n-gram level: most tokens proposed per round (default 8)")
     r.add_argument("--prompt-lookup-tokens", type=int, default=10,
                    help="hf-prompt-lookup: prompt_lookup_num_tokens (default 10)")
     r.add_argument("--assistant-tokens", type=int,
@@ -186,6 +189,17 @@ def _sweep(args, model, from_base: bool, prompts, config, progress: bool) -> int
     return 0 if best is not None else 1
 
 
+def _ngram(args) -> dict | None:
+    d = {k: v for k, v in (("max_ngram", args.ngram_max), ("min_ngram", args.ngram_min),
+                           ("max_len", args.ngram_tokens)) if v is not None}
+    if not d:
+        return None
+    from ..ngram import NgramConfig
+
+    NgramConfig(**d)  # validate before any work
+    return d
+
+
 def _write_json(path: str, data: dict) -> None:
     from pathlib import Path
 
@@ -217,7 +231,7 @@ def main(argv=None) -> int:
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, gamma=args.gamma,
             window=args.window, warmup=args.warmup, repeats=args.repeats, seed=args.seed, chat=not args.no_chat,
             prompt_lookup_tokens=args.prompt_lookup_tokens, assistant_tokens=args.assistant_tokens,
-            tie_tolerance=args.tie_tolerance, tie_check=not args.no_tie_check,
+            tie_tolerance=args.tie_tolerance, tie_check=not args.no_tie_check, ngram=_ngram(args),
         )
         prompts = load_prompts(args.prompts, num=args.num_prompts or None, categories=args.categories)
         print(f"[hispec-bench] loading {args.model}", file=sys.stderr, flush=True)

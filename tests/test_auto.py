@@ -1,0 +1,173 @@
+"""`strategy="auto"`: the latency-optimal hierarchy from the checkpoint's calibration, adapted per row while decoding.
+Whatever it chooses, output is plain decoding's: greedy identical, sampling in distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from test_decoding import _chi2_pvalue, _draw, _exact_joint, _hf_greedy, _oracle, _ragged, _tiny_vocab_model, _wrap
+from tiny import FAMILIES, tiny_model
+
+from hispec import decoding, latency
+
+
+def _calibrated(model, acceptance=None, match=None, prompts=([5, 6, 7, 8, 9, 5, 6],), realistic=False):
+    cal = latency.calibrate(model, list(prompts), max_new_tokens=8, repeats=1, max_gamma=4)
+    if realistic:  # tiny models are all Python overhead; give them the cost shape of a real one (ms)
+        Ts = list(cal.costs["layer"])
+        cal = dataclasses.replace(cal, costs={
+            "layer": {T: 1e-3 * (1 + 0.02 * int(T)) for T in Ts},
+            "head": {lv: {T: 2e-4 for T in Ts} for lv in cal.costs["head"]},
+            "final": {T: 2e-3 for T in Ts}, "ngram": 1e-5, "step_overhead": 2e-4})
+    if acceptance is not None:
+        cal = dataclasses.replace(cal, acceptance={k: acceptance(k) for k in cal.acceptance})
+    if match is not None:
+        cal = dataclasses.replace(cal, ngram_match=match)
+    model.hispec_config.calibration = cal.to_dict()
+    return cal
+
+
+PRIORS = {"measured": (None, None), "all-accept": (lambda k: 0.95, 0.95), "none-accept": (lambda k: 0.0, 0.0)}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_auto_is_greedy_identical_for_every_family(family):
+    model = _wrap(tiny_model(family), head_type="linear")
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 17)
+    for name, (acc, match) in PRIORS.items():
+        _calibrated(model, acc, match)
+        out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
+        assert torch.equal(out.sequences, ref), name
+        assert out.stats.strategy.startswith("auto:") and out.stats.row_rounds > 0
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
+                         ids=["plain", "warped"])
+def test_auto_sampling_matches_the_exact_distribution(warp):
+    model = _tiny_vocab_model()
+    _calibrated(model, lambda k: 0.6, 0.6, prompts=([1, 3, 2],))
+    prompt, n = [1, 3, 2], 3
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    samples = _draw(model, prompt, n, warp, "auto", draws=6000, seed=11)
+    assert _chi2_pvalue(samples, outcomes, probs) > 1e-4
+
+
+def _spy_choices(monkeypatch, current):
+    """Record, per round, every row's draft gamma as auto set it ({original row: [gammas]}); `current["run"]` is
+    the run in progress."""
+    rounds: dict[int, list[int]] = {}
+    choose = decoding._AutoPolicy.choose
+
+    def spy(self, run):
+        current["run"] = run
+        choose(self, run)
+        for b, row in enumerate(run.orig.tolist()):
+            rounds.setdefault(row, []).append(int(run.gam[0][b]))
+
+    monkeypatch.setattr(decoding._AutoPolicy, "choose", spy)
+    return rounds
+
+
+def _flip_exit_logits(model, current, bad):
+    """Exit heads that agree with the model (the model is an oracle from layer 2 on) except for original rows
+    where `bad(row)` (the exit heads are always called on the run's whole batch)."""
+    orig = model.exit_logits
+
+    def patched(name, hidden, *a, **kw):
+        out = orig(name, hidden, *a, **kw)
+        rows = torch.tensor([bad(int(r)) for r in current["run"].orig])
+        return torch.where(rows.view(-1, *[1] * (out.dim() - 1)), -out, out)
+
+    model.exit_logits = patched
+
+
+def _self_spec_only(k):  # priors that make L2 > full the chosen chain (no n-gram, no intermediate exit)
+    return 0.8 if k == "L2>full" else 0.0
+
+
+def test_rows_with_wildly_different_acceptance_adapt_separately_in_one_batch(monkeypatch):
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
+    _calibrated(model, _self_spec_only, 0.0, realistic=True)
+    good, bad = {0, 2}, {1, 3}
+    current = {}
+    rounds = _spy_choices(monkeypatch, current)
+    _flip_exit_logits(model, current, lambda row: row in bad)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 40)
+    out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.strategy == "auto:L2>full"
+    for b in good:
+        late = rounds[b][2:]
+        assert all(g >= 2 for g in late), f"row {b} (every draft accepted) should speculate: {rounds[b]}"
+    for b in bad:
+        late = rounds[b][len(rounds[b]) // 3:]
+        assert all(g == 0 for g in late), f"row {b} (every draft rejected) should decode plainly: {rounds[b]}"
+    assert len(rounds[1]) > 2 * len(rounds[0])  # plain rows need a round per token
+    assert 0 < out.stats.plain_row_rounds < out.stats.row_rounds
+
+
+def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monkeypatch):
+    model = _wrap(_oracle(tiny_model("qwen2"), 2), head_type="shared", draft=2, verify=4)
+    _calibrated(model, _self_spec_only, 0.0, realistic=True)
+    calls = {"n": 0}
+    orig = model.exit_logits
+
+    def bad_at_first(name, hidden, *a, **kw):  # the heads are wrong for a while, then right
+        calls["n"] += 1
+        out = orig(name, hidden, *a, **kw)
+        return -out if calls["n"] <= 12 else out
+
+    model.exit_logits = bad_at_first
+    rounds = _spy_choices(monkeypatch, {})
+    ids, am = _ragged(1, 7)
+    ref = _hf_greedy(model.base, ids, am, 60)
+    out = model.generate(ids, am, max_new_tokens=60, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    g = rounds[0]
+    first_plain = g.index(0)
+    assert any(x >= 2 for x in g[first_plain:]), f"never climbed back: {g}"
+
+
+# ---------------------------------------------------------------------------------------------- defaults, bad input
+def test_without_a_calibration_the_default_is_plain_decoding_with_a_warning():
+    model = _wrap(tiny_model("llama"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.warns(UserWarning, match="no calibration; decoding plainly"):
+        decoding._warned.clear()
+        out = model.generate(ids, max_new_tokens=5)
+    assert out.stats.strategy == "full"
+    with pytest.raises(latency.CalibrationError, match="needs a calibration"):
+        model.generate(ids, max_new_tokens=5, strategy="auto")
+
+
+def test_a_calibration_for_this_machine_makes_auto_the_default():
+    model = _wrap(tiny_model("llama"))
+    _calibrated(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=5)
+    assert out.stats.strategy.startswith("auto:")
+
+
+def test_a_calibration_from_another_machine_or_model_is_refused_clearly(monkeypatch):
+    model = _wrap(tiny_model("llama"))
+    cal = _calibrated(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    other = dict(cal.to_dict(), machine={**cal.machine, "cpu": "Some Other CPU", "cpu_capability": "NEON"})
+    model.hispec_config.calibration = other
+    with pytest.raises(latency.CalibrationError, match="another machine"):
+        model.generate(ids, max_new_tokens=5, strategy="auto")
+    decoding._warned.clear()
+    with pytest.warns(UserWarning, match="another machine"):
+        assert model.generate(ids, max_new_tokens=5).stats.strategy == "full"  # default: plain, never slower
+    model.hispec_config.calibration = dict(cal.to_dict(), model={**cal.model, "num_layers": 12})
+    with pytest.raises(latency.CalibrationError, match="another model"):
+        model.generate(ids, max_new_tokens=5, strategy="auto")
