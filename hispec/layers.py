@@ -9,11 +9,24 @@ Inputs are batch-first with absolute per-row positions and a per-token validity 
 fewer new tokens than others are simply invalid slots). Attention masks are built from `(valid, position)` per
 layer type (full / sliding window), so every range sees exactly what a single full forward would. Nothing else
 in hispec touches model internals; there is no dispatch on model names.
+
+What a family does outside its public modules is taken from the model's own code, never from a list of known quirks:
+
+* Logits. A `*ForCausalLM.forward` may transform the logits after (or the hidden states before) its lm_head —
+  Gemma2 soft-caps, Cohere multiplies by `logit_scale`, Granite divides by `logits_scaling`, and a custom model may
+  do anything. `final_logits` / `project` therefore run that forward itself, with the decoder body (the module
+  holding the layer list, or the first ancestor the forward actually calls) standing aside for the duration of the
+  call and handing over the given final hidden states as its `last_hidden_state`: lm_head, scaling, capping and
+  whatever else the forward does happen exactly as in `model(...)`. See `DecoderAdapter._model_head`.
+* Embeddings. The hidden states entering layer 0 are `embed_tokens` (+ `project_in`, + learned positions) when
+  that reproduces the model's own forward bit for bit (checked once at construction); otherwise (Granite's
+  `embedding_multiplier`, say) `embed` runs the body's own forward and takes what it hands to layer 0.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +42,95 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 class UnsupportedModelError(ValueError):
     """The model lacks a piece hispec needs; the message names the model type and the missing piece."""
+
+
+# Module swaps (`_model_head`) are serialised process-wide: two threads swapping on one model would otherwise
+# restore each other's stand-ins. A stand-in called from any thread but the one that placed it passes the call on
+# to the real module, so other code may run the same model concurrently.
+_SWAP_LOCK = threading.RLock()
+
+
+class _StandIn(nn.Module):
+    """Takes a submodule's place during one call of the model's own forward (see `DecoderAdapter._model_head`).
+    Attribute reads it does not answer go to the real module; so do calls from other threads."""
+
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "_real", None)
+        object.__setattr__(self, "_owner", None)
+        object.__setattr__(self, "calls", 0)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = object.__getattribute__(self, "_real")
+            if real is None:
+                raise
+            return getattr(real, name)
+
+    def __call__(self, *args, **kwargs):
+        if threading.get_ident() != self._owner:
+            return self._real(*args, **kwargs)
+        object.__setattr__(self, "calls", self.calls + 1)
+        return self.answer(*args, **kwargs)
+
+    def answer(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+class _GivenHidden(_StandIn):
+    """Stands in for the decoder body: whatever it is asked, its output is the given final hidden states (one
+    output object, refilled per call: building a ModelOutput costs ~10 us)."""
+
+    hidden: torch.Tensor | None = None
+    _out = None
+
+    def answer(self, *args, **kwargs):
+        out = self._out
+        if out is None:
+            from transformers.modeling_outputs import BaseModelOutputWithPast
+
+            out = BaseModelOutputWithPast(last_hidden_state=self.hidden)
+            object.__setattr__(self, "_out", out)
+        else:
+            out["last_hidden_state"] = self.hidden
+        return out
+
+
+class _Rows(_StandIn):
+    """Stands in for lm_head: the product with a subset of its rows (`weight`, `bias` set before each call)."""
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def answer(self, x, *args, **kwargs):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class _Fixed(_StandIn):
+    """Stands in for lm_head in the construction-time probe: returns given logits whatever its input, and keeps
+    that input."""
+
+    logits: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+
+    def answer(self, x, *args, **kwargs):
+        object.__setattr__(self, "seen", x)
+        return self.logits
+
+
+class _Captured(Exception):
+    """Raised by the layer-0 pre-hook of `DecoderAdapter._model_embed` to stop the body's forward there."""
+
+
+def _slot_of(root: nn.Module, target: nn.Module) -> tuple[nn.Module, str] | None:
+    """(parent, attribute name) under which `target` is registered inside `root`; None if it is not."""
+    for name, mod in root.named_modules(remove_duplicate=False):
+        if mod is target and name:
+            parent, _, attr = name.rpartition(".")
+            return root.get_submodule(parent), attr
+    return None
 
 
 def _model_type(model: nn.Module) -> str:
@@ -149,7 +251,8 @@ class DecoderAdapter:
             raise UnsupportedModelError(f"model type '{mtype}': sliding layers but no config.sliding_window")
         self.layer_types: list[str] = layer_types
         self.sliding_window: int | None = int(window) if window else None
-        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
+        self._setup_logit_path(mtype)
+        self._setup_embed(mtype)
 
     # ------------------------------------------------------------------ embeddings and output
     @property
@@ -172,7 +275,13 @@ class DecoderAdapter:
         return self.parts.lm_head.weight.device
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """`input_ids`, `position_ids` `[B, T]` -> hidden states `[B, T, H]` entering layer 0."""
+        """`input_ids`, `position_ids` `[B, T]` -> hidden states `[B, T, H]` entering layer 0, as the model's own
+        forward computes them (see `_setup_embed`)."""
+        if self.embeds_by_model:
+            return self._model_embed(input_ids, position_ids)
+        return self._plain_embed(input_ids, position_ids)
+
+    def _plain_embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         p = self.parts
         h = p.embed_tokens(input_ids)
         if p.project_in is not None:
@@ -182,23 +291,219 @@ class DecoderAdapter:
             h = h + p.embed_positions(None, 0, position_ids=pos).to(h.dtype)
         return h
 
+    def _model_embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The body's own forward over `input_ids`, stopped where it hands its hidden states to layer 0."""
+        owner = threading.get_ident()
+
+        def grab(module, args, kwargs):
+            if threading.get_ident() == owner:
+                raise _Captured(args[0] if args else kwargs["hidden_states"])
+
+        kwargs = {"input_ids": input_ids}
+        if self._embed_takes_positions:
+            kwargs["position_ids"] = position_ids.clamp(min=0)
+        if self._embed_takes_use_cache:
+            kwargs["use_cache"] = False
+        handle = self.parts.layers[0].register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
+        try:
+            self.parts.body(**kwargs)
+        except _Captured as got:
+            return got.args[0]
+        finally:
+            handle.remove()
+        raise UnsupportedModelError(
+            f"model type '{_model_type(self.model)}': {type(self.parts.body).__name__}.forward returned without "
+            f"calling its first decoder layer"
+        )
+
+    def _setup_embed(self, mtype: str) -> None:
+        """Decide, once, how `embed` follows the model's own code: the plain composition of public modules when it
+        equals, bit for bit, what the body's forward hands to layer 0 on a probe; the body's forward otherwise."""
+        params = inspect.signature(self.parts.body.forward).parameters
+        self._embed_takes_positions = "position_ids" in params
+        self._embed_takes_use_cache = "use_cache" in params
+        self.embeds_by_model = False
+        weight = getattr(self.parts.embed_tokens, "weight", None)
+        device = weight.device if isinstance(weight, torch.Tensor) else self.device
+        rows = min(self.vocab_size, weight.shape[0]) if isinstance(weight, torch.Tensor) else self.vocab_size
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, rows, (2, 5), generator=g).to(device)
+        pos = torch.arange(5, device=device).expand(2, 5)
+        try:
+            with torch.no_grad():
+                own = self._model_embed(ids, pos)
+                plain = self._plain_embed(ids, pos)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:
+            raise UnsupportedModelError(
+                f"model type '{mtype}': could not run {type(self.parts.body).__name__}.forward up to its first "
+                f"decoder layer ({type(e).__name__}: {e})"
+            ) from e
+        self.embeds_by_model = not (own.shape == plain.shape and own.dtype == plain.dtype and torch.equal(own, plain))
+
     @property
     def final_norm(self) -> nn.Module:
         return self.parts.final_norm
 
     def project(self, normed: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
-        """Normed hidden `[.., H]` -> logits `[.., V]` (or `[.., len(vocab)]` over the token ids in `vocab`)."""
+        """Normed hidden `[.., H]` -> logits `[.., V]` (or `[.., len(vocab)]` over the token ids in `vocab`).
+
+        The full projection is the model's own forward from its body's output on (`_model_head`): lm_head and
+        whatever the forward does around it. Over a vocabulary subset (exit heads, which are proposals) the same
+        forward runs with lm_head narrowed to the rows of `vocab` when the construction-time probe found the
+        forward's post-lm_head code elementwise (scaling, capping: `logits_elementwise`); otherwise the full logits
+        are computed and gathered. When the probe found the forward to be lm_head alone (its input is the given
+        hidden states and its output lm_head's, bit for bit: most families), the subset product is taken directly.
+        Either way `project(x, vocab) == project(x)[..., vocab]` up to rounding; exit heads only propose, so none of
+        this bears on losslessness, but it keeps drafts as close to the model as the full path.
+        """
         p = self.parts
         if p.project_out is not None:
             normed = p.project_out(normed)
         if vocab is None:
-            logits = p.lm_head(normed)
+            return self._model_head(normed, p.lm_head)
+        if not self.logits_elementwise:
+            return self._model_head(normed, p.lm_head).index_select(-1, vocab)
+        weight, bias = self._vocab_rows(vocab)
+        if self._head_is_plain:  # the forward is lm_head and nothing else: skip its Python (~20 us a call)
+            return nn.functional.linear(normed, weight, bias)
+        rows = self._rows_stand_in
+        object.__setattr__(rows, "weight", weight)
+        object.__setattr__(rows, "bias", bias)
+        try:
+            return self._model_head(normed, rows)
+        finally:
+            object.__setattr__(rows, "weight", None)
+            object.__setattr__(rows, "bias", None)
+
+    def _model_head(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """Logits from the model's own `forward`, given the output of its decoder body.
+
+        `hidden` `[.., H']` is what the body would return as `last_hidden_state` (after its final norm and
+        `project_out`); `head` is the lm_head to use (the model's own, a copy of it, or a row subset). For the
+        duration of one `model.forward()` call the body slot (`_body_slot`) holds a stand-in returning `hidden`
+        and, unless `head` is already there, the lm_head slot holds `head`; both are put back before returning.
+        `forward` is called directly, not through `model(...)`: hooks observing the model's calls (benchmark pass
+        counters) see no extra pass.
+
+        Why the model's code at every call rather than a transform derived once: it is exact by construction, for
+        any family, and it is cheap. Its cost is the forward's Python, about 20 us a call on CPU (transformers 5.x,
+        one thread; mostly building the CausalLMOutputWithPast), against 6.5-13 ms for a SmolLM2-sized lm_head
+        (49152 x 576, fp32, T = 1..8): 0.2-0.3%. A vocabulary subset through a transforming forward pays the same
+        20 us against a cheaper product (8k rows: 0.35-1.5 ms, so 1.5-6%); through a plain forward it pays nothing.
+        """
+        lead = hidden.shape[:-1]
+        x = hidden.reshape(1, -1, hidden.shape[-1])
+        body_parent, body_name = self._body_slot
+        stand = self._body_stand_in
+        swap_head = head is not self._model_lm_head
+        if swap_head and self._head_slot is None:
+            raise UnsupportedModelError(
+                f"model type '{_model_type(self.model)}': its lm_head is not a registered submodule, so a "
+                f"substitute lm_head cannot be used"
+            )
+        with _SWAP_LOCK:
+            real_body = body_parent._modules[body_name]
+            object.__setattr__(stand, "_real", real_body)
+            object.__setattr__(stand, "_owner", threading.get_ident())
+            object.__setattr__(stand, "hidden", x)
+            if swap_head:
+                head_parent, head_name = self._head_slot
+                real_head = head_parent._modules[head_name]
+                if isinstance(head, _StandIn):
+                    object.__setattr__(head, "_real", real_head)
+                    object.__setattr__(head, "_owner", threading.get_ident())
+            try:
+                body_parent._modules[body_name] = stand
+                if swap_head:
+                    head_parent._modules[head_name] = head
+                out = self.model.forward()
+            finally:
+                body_parent._modules[body_name] = real_body
+                if swap_head:
+                    head_parent._modules[head_name] = real_head
+                object.__setattr__(stand, "hidden", None)
+                object.__setattr__(stand, "_real", None)
+                if stand._out is not None:
+                    stand._out["last_hidden_state"] = None  # hold no reference to the caller's tensor
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits.reshape(*lead, logits.shape[-1])
+
+    def _setup_logit_path(self, mtype: str) -> None:
+        """Find, once, how to run the model's own forward from its body's output on, and whether its
+        post-lm_head code is elementwise (so a vocabulary subset can go through it too).
+
+        The stand-in for the body goes into the deepest module on the path from the model to the layer list that
+        the forward actually calls (the body itself for most families; OPT's forward calls `model.decoder`, a
+        multimodal wrapper may call an ancestor). The elementwise probe hands the forward fixed logits `Z` in
+        place of lm_head's output, then `Z[..., ids]` for a permutation and a short subset with repeats: the code
+        is elementwise iff the second outputs are the first's columns `ids` (to a few ulps)."""
+        lm_head = self.parts.lm_head
+        self._model_lm_head = lm_head
+        self._head_slot = _slot_of(self.model, lm_head)
+        self._body_stand_in = _GivenHidden()
+        self._rows_stand_in = _Rows()
+        body_path = next(n for n, m in self.model.named_modules(remove_duplicate=False) if m is self.parts.body)
+        parts_of_path = body_path.split(".") if body_path else []
+        slots = []
+        for depth in range(len(parts_of_path), 0, -1):
+            parent = self.model.get_submodule(".".join(parts_of_path[: depth - 1]))
+            slots.append((parent, parts_of_path[depth - 1]))
+        w = lm_head.weight
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 3, w.shape[1], generator=g).to(w.device, w.dtype)
+        errors = []
+        self._body_slot = None
+        for slot in slots:
+            self._body_slot = slot
+            object.__setattr__(self._body_stand_in, "calls", 0)
+            try:
+                with torch.no_grad():
+                    logits = self._model_head(x, lm_head)
+            except Exception as e:
+                errors.append(f"{type(slot[0]._modules[slot[1]]).__name__}: {type(e).__name__}: {e}")
+                continue
+            if self._body_stand_in.calls == 1 and tuple(logits.shape[:-1]) == (1, 3):
+                break
+            errors.append(f"{type(slot[0]._modules[slot[1]]).__name__}: forward did not use its output once")
         else:
-            weight, bias = self._vocab_rows(vocab)
-            logits = nn.functional.linear(normed, weight, bias)
-        if self.logit_softcap:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
+            self._body_slot = None
+            raise UnsupportedModelError(
+                f"model type '{mtype}': could not run {type(self.model).__name__}.forward on given final hidden "
+                f"states ({'; '.join(errors) or 'the decoder layers are not inside a submodule'})"
+            )
+        self._head_is_plain = False
+        self.logits_elementwise = self._head_slot is not None and self._probe_elementwise(x, w.shape[0])
+
+    def _probe_elementwise(self, x: torch.Tensor, rows: int) -> bool:
+        g = torch.Generator().manual_seed(1)
+        z = (torch.randn(1, 3, rows, generator=g) * 8).to(x.device, x.dtype)
+        fixed = _Fixed()
+        subsets = [torch.randperm(rows, generator=g), torch.randint(0, rows, (min(rows, 7),), generator=g)]
+        try:
+            with torch.no_grad():
+                object.__setattr__(fixed, "logits", z)
+                full = self._model_head(x, fixed)
+                if fixed.calls != 1 or full.shape != (1, 3, rows):
+                    return False
+                seen = fixed.seen
+                plain = (isinstance(seen, torch.Tensor) and seen.shape == x.shape and seen.dtype == x.dtype
+                         and torch.equal(seen, x) and full.dtype == z.dtype and torch.equal(full, z))
+                for ids in subsets:
+                    object.__setattr__(fixed, "logits", z[..., ids.to(z.device)])
+                    sub = self._model_head(x, fixed)
+                    ref = full[..., ids.to(full.device)]
+                    if sub.shape != ref.shape or not bool(torch.isfinite(ref).all()):
+                        return False
+                    eps = torch.finfo(ref.dtype).eps if ref.dtype.is_floating_point else 0.0
+                    tol = 4 * eps * (1.0 + float(ref.abs().max()))
+                    if not torch.allclose(sub.float(), ref.float(), rtol=4 * eps, atol=tol):
+                        return False
+        except Exception:
+            return False
+        self._head_is_plain = plain
+        return True
 
     def _vocab_rows(self, vocab: torch.Tensor):
         """The lm_head rows (and bias) of `vocab`; copies of a frozen lm_head are cached (a reduced-vocabulary head

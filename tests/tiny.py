@@ -23,6 +23,12 @@ FAMILIES = {
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0)),
     "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.5, use_parallel_residual=True)),
     "opt": ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=16, pad_token_id=1)),
+    # Families whose *ForCausalLM.forward transforms the logits after lm_head in its own code (not Gemma2's
+    # soft-capping): Cohere multiplies by logit_scale, Granite divides by logits_scaling and also scales the input
+    # embeddings in its model's forward (embedding_multiplier), outside any public module.
+    "cohere": ("CohereConfig", dict(num_key_value_heads=2, logit_scale=3.0, bos_token_id=1, eos_token_id=2)),
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, logits_scaling=4.0, embedding_multiplier=3.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.2)),
 }
 
 
