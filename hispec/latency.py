@@ -18,7 +18,7 @@ Contract:
 
 The model (greedy decoding, i.i.d. acceptance). Unit costs, measured per number T of new positions in one pass:
 `layer(T)` one decoder layer (the median time of a pass over all L layers with a KV cache of `context` slots,
-divided by L), `head_k(T)` level k's head (norm + adapter + its, possibly reduced, projection, as the decoder calls
+divided by L; every cost table is then fitted non-decreasing in T, so timing noise cannot make more rows cheaper), `head_k(T)` level k's head (norm + adapter + its, possibly reduced, projection, as the decoder calls
 it), `final(T)` the model's final norm + lm_head, `ngram` one lookup, `o` = `step_overhead` the decoder's Python
 bookkeeping per pass. Between measured T the costs are interpolated linearly: a verification of T tokens is NOT T
 one-token steps (on CPUs and GPUs a pass over 8 rows costs little more than over 1). With `e_k` the exit layer of
@@ -611,25 +611,42 @@ class KVBench:
         return run
 
 
+def nondecreasing(table: dict) -> dict:
+    """The least-squares non-decreasing fit of `{T: seconds}` (pool adjacent violators): a pass over more positions
+    is not cheaper than over fewer, so a dip between measured T is timing noise (shared or busy cores)."""
+    keys = sorted(table)
+    blocks: list[list[float]] = []  # [sum, count]
+    for k in keys:
+        blocks.append([table[k], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    values = [b[0] / b[1] for b in blocks for _ in range(b[1])]
+    return dict(zip(keys, values))
+
+
 def measure_layer_costs(model, rows=(1, 2, 4, 8), context: int = 256, repeats: int = 10,
                         bench: KVBench | None = None) -> dict:
     """{T: seconds of one decoder layer over T new positions}: a pass over all layers / depth (not one layer
-    timed alone, whose weights would stay in cache between repeats)."""
+    timed alone, whose weights would stay in cache between repeats). Raw medians, not smoothed."""
     bench = bench or KVBench(model, context)
     L = model.adapter.num_layers
     return {T: t / L for T, t in median_times({T: bench.layers(T) for T in rows}, repeats).items()}
 
 
 def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: int = 256, repeats: int = 10) -> dict:
-    """Unit costs of an `EarlyExitModel`: {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}."""
+    """Unit costs of an `EarlyExitModel`: {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}, medians
+    of `repeats` interleaved timings, each made non-decreasing in T (`nondecreasing`)."""
     bench = KVBench(model, context)
     exits = {"draft": model.draft_layer, "verify": model.verify_layer}
     fns = {("final", T): bench.final(T) for T in rows}
     fns.update({(name, T): bench.head(name, T) for name in exits for T in rows})
     t = median_times(fns, repeats)
-    return {"layer": measure_layer_costs(model, rows, context, repeats, bench),
-            "head": {level_name(layer): {T: t[(name, T)] for T in rows} for name, layer in exits.items()},
-            "final": {T: t[("final", T)] for T in rows}}
+    return {"layer": nondecreasing(measure_layer_costs(model, rows, context, repeats, bench)),
+            "head": {level_name(layer): nondecreasing({T: t[(name, T)] for T in rows})
+                     for name, layer in exits.items()},
+            "final": nondecreasing({T: t[("final", T)] for T in rows})}
 
 
 def _prompt_ids(model, prompt) -> list[int]:
@@ -831,6 +848,7 @@ __all__ = [
     "measure_layer_costs",
     "median_times",
     "model_identity",
+    "nondecreasing",
     "named_hierarchies",
     "predictions",
     "read_calibration",

@@ -73,6 +73,12 @@ def test_interpolation_between_and_beyond_measured_rows():
     assert lt.interp({1: 1.0, 2: 0.9}, 4) == 0.9  # never cheaper beyond the last row
 
 
+def test_costs_are_made_nondecreasing_in_T():
+    assert lt.nondecreasing({1: 1.0, 2: 3.0, 3: 2.0, 4: 4.0}) == {1: 1.0, 2: 2.5, 3: 2.5, 4: 4.0}
+    assert lt.nondecreasing({1: 2.0, 2: 1.0, 3: 0.0}) == {1: 1.0, 2: 1.0, 3: 1.0}
+    assert lt.nondecreasing({1: 1.0, 5: 2.0}) == {1: 1.0, 5: 2.0}
+
+
 # ---------------------------------------------------------------------------------------------- the recursion
 def test_two_level_time_per_token_matches_a_hand_computation():
     cal = synthetic()  # L=10, L2/L5, layer(T) = 1 + 0.2 (T-1), head_L2(T) = 0.3 + 0.05 (T-1), final = 2 + 0.1 (T-1)
