@@ -1,12 +1,14 @@
 """hispec: hierarchical early-exit speculative decoding for Hugging Face causal LMs.
 
 `hispec.load(path)` loads an exported early-exit checkpoint; `EarlyExitModel.from_base(...)` wraps any supported
-base model with (untrained) exit heads; `model.generate(...)` decodes losslessly with 'ar', 'self-spec' or 'hispec'.
+base model with (untrained) exit heads; `model.generate(...)` decodes losslessly with any hierarchy of levels
+('ar', 'self-spec', 'hispec', 'ngram', ... or 'auto', chosen per row by the latency model of `hispec.latency`).
 Importing hispec has no side effects and loads nothing heavy beyond torch and transformers.
 """
 
 from .layers import DecoderAdapter, UnsupportedModelError
 from .model import CheckpointError, EarlyExitModel, HispecConfig, load, load_base_model, load_tokenizer
+from .ngram import NgramConfig
 
 __version__ = "0.1.0"
 
@@ -19,5 +21,6 @@ __all__ = [
     "load",
     "load_base_model",
     "load_tokenizer",
+    "NgramConfig",
     "__version__",
 ]

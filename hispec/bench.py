@@ -535,8 +535,13 @@ class Summary:
         """As `lossless`, but a run that first left the reference at an fp32 near-tie counts as identical."""
         return self._all("identical_up_to_ties")
 
+    @property
+    def headline_strategy(self) -> str | None:
+        """What the headline figures describe: `auto` (the default decoding) when it ran, else `hispec`."""
+        return next((s for s in ("auto", "hispec") if s in self.strategies), None)
+
     def headline(self, name: str) -> float | None:
-        s = self.strategies.get("hispec")
+        s = self.strategies.get(self.headline_strategy)
         return None if s is None else getattr(s, name)
 
     def as_dict(self, per_prompt: bool = False) -> dict:
@@ -544,6 +549,7 @@ class Summary:
             "lossless": self.lossless,
             "lossless_up_to_ties": self.lossless_up_to_ties,
             "tie_tolerance": self.tie_tolerance,
+            "headline": self.headline_strategy,
             "speedup_vs_hf": self.headline("speedup_vs_hf"),
             "speedup_vs_self_spec": self.headline("speedup_vs_self_spec"),
             "reference": self.reference,

@@ -55,19 +55,21 @@ def load_prompts(path: str | Path, num: int | None = None, categories: list[str]
     if not prompts:
         raise ValueError(f"no prompts found in {path}" + (f" for categories {categories}" if categories else ""))
     if num is not None and num < len(prompts):
-        if spread:  # round-robin over categories, as Spec-Bench subsets are reported per category
-            by_cat: dict[str, list[Prompt]] = {}
-            for p in prompts:
-                by_cat.setdefault(p.category, []).append(p)
-            picked, lists = [], list(by_cat.values())
-            while len(picked) < num:
-                for lst in lists:
-                    if lst and len(picked) < num:
-                        picked.append(lst.pop(0))
-            prompts = picked
-        else:
-            prompts = prompts[:num]
+        prompts = spread_over_categories(prompts, num) if spread else prompts[:num]
     return prompts
+
+
+def spread_over_categories(prompts: list[Prompt], num: int) -> list[Prompt]:
+    """`num` prompts taken round-robin over categories (Spec-Bench subsets are reported per category)."""
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    picked, lists = [], [list(v) for v in by_cat.values()]
+    while len(picked) < min(num, len(prompts)):
+        for lst in lists:
+            if lst and len(picked) < num:
+                picked.append(lst.pop(0))
+    return picked
 
 
 def render(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -57,7 +57,11 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():  # trained-looking heads: drafts are sometimes right, sometimes wrong
         for p in model.heads.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.save(tmp_path_factory.mktemp("ckpt") / "tiny-hispec")
+    folder = model.save(tmp_path_factory.mktemp("ckpt") / "tiny-hispec")
+    from hispec import latency  # a calibration of this machine, so that `auto` runs and predictions are reported
+
+    latency.write_calibration(folder, latency.calibrate(model, [[5, 6, 7, 8, 9, 10]], max_new_tokens=8, repeats=1))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +112,20 @@ def test_bench_prints_table_then_one_json_line_and_every_strategy_reproduces_hf(
         assert s["tokens_per_s"] > 0
         assert abs(sum(s["time_share"].values()) - 1.0) < 1e-6
     assert summary["strategies"]["hf"]["speedup_vs_hf"] == 1.0
-    assert summary["speedup_vs_hf"] == summary["strategies"]["hispec"]["speedup_vs_hf"]
-    assert summary["speedup_vs_self_spec"] == summary["strategies"]["hispec"]["speedup_vs_self_spec"]
+    for name in bench.STRATEGIES:  # the latency model's prediction next to the measurement, for hispec's own
+        s = summary["strategies"][name]
+        if name.startswith("hf"):
+            assert s["predicted_speedup_vs_ar"] is None
+        else:
+            assert s["predicted_speedup_vs_ar"] > 0 and s["speedup_vs_ar"] > 0
+            assert s["prediction_error"] == pytest.approx(s["predicted_speedup_vs_ar"] / s["speedup_vs_ar"] - 1)
+    assert summary["strategies"]["auto"]["hierarchy"].startswith("auto:")
+    assert 0 <= summary["strategies"]["auto"]["plain_share"] <= 1
+    assert any(line.startswith("latency model") for line in table)
+    assert summary["categories"]["math"]["strategies"]["ngram"]["tokens_per_target_pass"] >= 1.0
+    assert summary["headline"] == "auto"  # the default decoding, when it ran
+    assert summary["speedup_vs_hf"] == summary["strategies"]["auto"]["speedup_vs_hf"]
+    assert summary["speedup_vs_self_spec"] == summary["strategies"]["auto"]["speedup_vs_self_spec"]
     # per-stage counters: ar is one full pass per token; hispec's verifier saw drafts
     assert summary["strategies"]["ar"]["tokens_per_target_pass"] == 1.0
     assert summary["strategies"]["hf"]["layer_evals_per_token"] == pytest.approx(6.0)
@@ -281,3 +297,20 @@ def test_demo_short_training_run_launches_the_recipe_on_the_local_model(tmp_path
     i = cmd.index("--model_name_or_path")
     assert cmd[i + 1] == str(tmp_path / "model")
     assert cmd[cmd.index("--max_steps") + 1] == "7" and cmd[-2:] == ["--seed", "1"]  # extra arguments win
+
+
+def test_calibrate_stores_a_calibration_and_auto_then_runs(checkpoint, prompts_file, capsys, tmp_path):
+    ckpt = tmp_path / "c"
+    shutil.copytree(checkpoint, ckpt)
+    cfg_path = ckpt / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["hispec"]["calibration"]
+    cfg_path.write_text(json.dumps(cfg))
+    rc, out, summary = run_cli(capsys, *common(ckpt, prompts_file, 6), "--num-prompts", 2, "--calibrate",
+                               "--calibration-num-prompts", 2)
+    assert rc == 0, out.err
+    assert "latency model, calibrated on" in out.err
+    stored = json.loads(cfg_path.read_text())["hispec"]["calibration"]
+    assert stored["positions"] > 0 and set(stored["costs"]) >= {"layer", "final", "step_overhead"}
+    assert "auto" in summary["strategies"] and summary["strategies"]["auto"]["identical"] == 1.0
+    assert "hf-prompt-lookup" in summary["strategies"] and "ngram" in summary["strategies"]

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-DEFAULT_STRATEGIES = ("hf", "hf-early-exit", "ar", "self-spec", "hispec")
+DEFAULT_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup", "ar", "self-spec", "hispec", "ngram")
 
 
 def _ints(text: str) -> list[int]:
@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-chat", action="store_true", help="feed the raw text, without the chat template")
     r = p.add_argument_group("decoding")
     r.add_argument("--strategies", type=_names, default=None,
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all but hf-prompt-lookup). "
+                   help=f"comma-separated, from {', '.join(STRATEGIES)}, or hierarchies such as ngram>L8>full "
+                   "(default: hf, hf-early-exit, hf-prompt-lookup, ar, self-spec, hispec, ngram, and auto when the "
+                   "checkpoint holds a calibration). "
                    "With --sweep: which of self-spec, hispec to tune (default hispec)")
     r.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     r.add_argument("--temperature", type=float, default=0.0,
@@ -94,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json-out", help="write the full results (with per-prompt figures) to this JSON file")
     t.add_argument("--plot", help="write a PNG of speedup vs hf by category and strategy")
     t.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    c = p.add_argument_group("latency calibration (what strategy 'auto' and the predictions use)")
+    c.add_argument("--calibrate", action="store_true",
+                   help="before benchmarking, calibrate the latency model on this machine (timed unit costs, "
+                        "acceptance on the model's own answers to --calibration-prompts) and store it in the "
+                        "checkpoint's config.json (also done by --write-defaults)")
+    c.add_argument("--calibration-prompts", metavar="FILE",
+                   help="prompts to calibrate on (default: prompts of --prompts that the benchmark does not run, "
+                        "spread over categories)")
+    c.add_argument("--calibration-num-prompts", type=int, default=8, help="prompts to calibrate on (default 8)")
     s = p.add_argument_group("sweep (greedy; picks the fastest setting whose outputs all equal hf's)")
     s.add_argument("--sweep", action="store_true", help="sweep settings instead of comparing strategies")
     s.add_argument("--sweep-draft-layers", type=_ints, help="draft exits to try, e.g. 2,4 (base models, shared heads)")
@@ -101,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep-gammas", type=_ints, help="gammas to try, e.g. 2,3,4 (default: the checkpoint's)")
     s.add_argument("--sweep-windows", type=_ints, help="windows to try, e.g. 2,4 (default: the checkpoint's)")
     s.add_argument("--write-defaults", action="store_true",
-                   help="store the best gamma/window (and exits, for shared heads) in the checkpoint's config.json")
+                   help="store the best gamma/window (and exits, for shared heads) and a latency calibration of this "
+                        "machine in the checkpoint's config.json")
     return p
 
 
@@ -134,7 +146,9 @@ def _check_args(args) -> str | None:
     if args.num_prompts < 0:
         return "--num-prompts must be >= 0"
     if args.write_defaults and not args.sweep:
-        return "--write-defaults only works with --sweep"
+        return "--write-defaults only works with --sweep (to store only a calibration: --calibrate)"
+    if args.calibration_num_prompts < 1:
+        return "--calibration-num-prompts must be >= 1"
     if args.sweep and args.temperature != 0:
         return "--sweep checks identical outputs and runs greedy only; drop --temperature"
     if args.plot and args.sweep:
@@ -189,6 +203,35 @@ def _sweep(args, model, from_base: bool, prompts, config, progress: bool) -> int
     return 0 if best is not None else 1
 
 
+def _calibrate(args, model, prompts, progress: bool) -> None:
+    """Calibrate the latency model on prompts the benchmark does not run (when the file has enough), store it."""
+    from pathlib import Path
+
+    from .. import latency
+    from ..prompts import load_prompts, spread_over_categories
+
+    if not Path(args.model, "config.json").is_file():
+        raise ValueError(f"--calibrate / --write-defaults need a local checkpoint folder, not {args.model!r}")
+    if args.calibration_prompts:
+        cal_prompts = load_prompts(args.calibration_prompts, num=args.calibration_num_prompts)
+    else:
+        every = load_prompts(args.prompts)
+        used = {p.text for p in prompts}
+        rest = [p for p in every if p.text not in used]
+        cal_prompts = spread_over_categories(rest or every, args.calibration_num_prompts)
+    print(f"[hispec-bench] calibrating on {len(cal_prompts)} prompts", file=sys.stderr, flush=True)
+    cal = latency.calibrate(model, cal_prompts, ngram=_ngram_config(args, model), progress=progress)
+    latency.write_calibration(args.model, cal)
+    model.hispec_config.calibration = cal.to_dict()
+    print(latency.format_predictions(cal, latency.predictions(cal)), file=sys.stderr, flush=True)
+
+
+def _ngram_config(args, model):
+    from ..ngram import NgramConfig
+
+    return NgramConfig(**(_ngram(args) or model.hispec_config.ngram or {}))
+
+
 def _ngram(args) -> dict | None:
     d = {k: v for k, v in (("max_ngram", args.ngram_max), ("min_ngram", args.ngram_min),
                            ("max_len", args.ngram_tokens)) if v is not None}
@@ -241,8 +284,14 @@ def main(argv=None) -> int:
         print(f"[hispec-bench] {len(prompts)} prompts, {model.num_layers} layers, exits "
               f"{model.draft_layer}/{model.verify_layer}, {model.dtype}, {torch.get_num_threads()} threads",
               file=sys.stderr, flush=True)
+        if args.calibrate or args.write_defaults:
+            if from_base:
+                raise ValueError("--calibrate / --write-defaults need a hispec checkpoint folder as --model")
+            _calibrate(args, model, prompts, progress)
         if args.sweep:
             return _sweep(args, model, from_base, prompts, config, progress)
+        if not args.strategies and not args.sweep and model.hispec_config.calibration:
+            config.strategies = config.strategies + ("auto",)
         result = bench.run_bench(model, prompts, config, progress=progress)
     except (CheckpointError, ValueError, FileNotFoundError, OSError) as e:
         print(f"hispec-bench: error: {e}", file=sys.stderr)

@@ -34,9 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, help="take only this many prompts from --prompts-file")
     p.add_argument("--chat", action="store_true", help="render prompts with the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="hispec", help="decoding strategy (default hispec)")
-    p.add_argument("--gamma", type=int, help="drafts per intermediate round (default: checkpoint's)")
-    p.add_argument("--window", type=int, help="tokens gathered before full verification (default: checkpoint's)")
+    p.add_argument("--strategy", default=None,
+                   help=f"one of {', '.join(STRATEGIES)}, or a hierarchy such as ngram>L8>full (default: auto when "
+                        "the checkpoint holds a calibration for this machine, else ar)")
+    p.add_argument("--gamma", type=int, help="drafts of the lowest exit per round (default: checkpoint's)")
+    p.add_argument("--window", type=int, help="tokens a higher exit gathers before the next level verifies "
+                                              "(default: checkpoint's)")
+    p.add_argument("--ngram-max", type=int, help="n-gram level: longest suffix matched (default 3)")
+    p.add_argument("--ngram-min", type=int, help="n-gram level: shortest suffix tried (default 1)")
+    p.add_argument("--ngram-tokens", type=int, help="n-gram level: most tokens proposed per round (default 8)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-k", type=int, help="sample only from the k most likely tokens")
@@ -97,6 +103,8 @@ def main(argv=None) -> int:
         print(f"error: {args.model} has no tokenizer files", file=sys.stderr)
         return 2
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    ngram = {k: v for k, v in (("max_ngram", args.ngram_max), ("min_ngram", args.ngram_min),
+                               ("max_len", args.ngram_tokens)) if v is not None} or None
     for start in range(0, len(texts), args.batch_size):
         batch = texts[start : start + args.batch_size]
         ids, mask = encode_prompts(tok, batch, chat=args.chat)
@@ -109,8 +117,8 @@ def main(argv=None) -> int:
         try:
             out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                                  do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, gamma=args.gamma, window=args.window, streamer=streamer,
-                                 generator=generator)
+                                 top_p=args.top_p, gamma=args.gamma, window=args.window, ngram=ngram,
+                                 streamer=streamer, generator=generator)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -124,11 +132,11 @@ def main(argv=None) -> int:
             elif not args.stream:
                 print(f"### {text}\n{completion}\n")
         if not args.json:
+            levels = ", ".join(f"{lv.name} {lv.accepted}/{lv.proposed}" for lv in s.levels[1:])
+            plain = f"; plain rounds {s.plain_row_rounds}/{s.row_rounds}" if s.row_rounds else ""
             print(
-                f"[{args.strategy}] {s.new_tokens} tokens in {secs:.2f} s ({s.new_tokens / max(secs, 1e-9):.1f} tok/s); "
-                f"tokens/full pass {s.tokens_per_target_pass:.2f}; drafted {s.drafted}, "
-                f"accepted at verify {s.accepted_at_verify}/{s.proposed_to_verify}, "
-                f"at target {s.accepted_at_target}/{s.proposed_to_target}; "
+                f"[{s.strategy}] {s.new_tokens} tokens in {secs:.2f} s ({s.new_tokens / max(secs, 1e-9):.1f} tok/s); "
+                f"tokens/full pass {s.tokens_per_target_pass:.2f}; accepted/proposed {levels or '-'}{plain}; "
                 f"layer evals/token {s.layer_evals / max(s.new_tokens, 1):.1f}",
                 file=sys.stderr,
             )
