@@ -10,8 +10,11 @@ inputs did not change:
 2. heads: the training output shipped in recipes/artifacts/smollm2-135m/, or (when absent, or with --retrain) a
    short `accelerate launch train/heads.py --config recipes/smollm2-135m.yaml` run into <cache>/demo-train;
 3. `hispec-export` into <cache>/demo-hispec (reused while the heads and base are the same);
-4. `hispec-bench` on Spec-Bench prompts with hf, hf-early-exit, self-spec and hispec (bf16, greedy), which
-   prints the table and ends stdout with one JSON line ("lossless", "speedup_vs_hf", "speedup_vs_self_spec", ...).
+4. `hispec-bench --calibrate`: the latency model is calibrated on this machine (on Spec-Bench prompts the
+   benchmark does not run) and stored in the checkpoint, then Spec-Bench prompts are decoded with hf,
+   hf-prompt-lookup, self-spec, hispec, ngram and auto (the default decoding: the latency-optimal hierarchy,
+   adapted per row; fp32, greedy); it prints the table and ends stdout with one JSON line ("lossless",
+   "headline": "auto", "speedup_vs_hf", ...).
 Progress and logs go to stderr. Exit status: hispec-bench's (0 ok, 1 not lossless, 2 bad input); 3 when a step
 before the benchmark failed.
 """
@@ -37,7 +40,7 @@ ACCELERATE_CONFIG = REPO / "recipes" / "accelerate" / "cpu.yaml"
 HEADS_FILE = "hispec_heads.safetensors"
 TRAIN_INFO_FILE = "hispec_train.json"
 SPEC_BENCH = Path("eval") / "spec_bench_question.jsonl"
-STRATEGIES = "hf,hf-early-exit,self-spec,hispec"
+STRATEGIES = "hf,hf-prompt-lookup,self-spec,hispec,ngram,auto"
 # A short run of the recipe (its header's "quick check", a little longer): ~10-15 min on 2 idle cores.
 # Export options: 8k-token output vocabularies for both exit heads (the full 49k-row lm_head costs ~4 decoder layers
 # here, 8k rows ~0.3; coverage of SmolLM2's own answer tokens 0.87) and the decoding defaults that were fastest in
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"4/4 benchmark ({time.perf_counter() - t0:.0f} s so far)")
     bench_argv = ["--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", str(args.num_prompts),
                   "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--strategies", args.strategies,
-                  "--warmup", "1", "--plot", str(cache / "demo-speedup.png"),
+                  "--warmup", "1", "--plot", str(cache / "demo-speedup.png"), "--calibrate",
                   "--json-out", str(cache / "demo-bench.json")]
     if args.threads:
         bench_argv += ["--threads", str(args.threads)]
