@@ -113,6 +113,7 @@ class Counters:
     seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     hierarchy: str | None = None  # hispec: the levels it ran (auto: the chain it chose), e.g. "auto:ngram>L4>full"
     plain_share: float | None = None  # auto: share of row rounds decoded plainly
+    levels: list | None = None  # hispec: per-level counters (hispec.decoding.LevelStats.as_dict())
 
 
 @dataclass
@@ -147,6 +148,7 @@ class BenchResult:
     hardware: dict
     tie_tolerance: float = 0.0
     predictions: dict = field(default_factory=dict)  # strategy -> latency-model speedup vs ar (calibrated models)
+    predictors: dict = field(default_factory=dict)  # strategy -> f(observed rates) -> predicted speedup vs ar
 
 
 # ---------------------------------------------------------------------------------------------------- counting
@@ -287,6 +289,7 @@ class Runner:
                 counters.accepted_at_verify, counters.proposed_to_verify = s.accepted_at_verify, s.proposed_to_verify
             if s.row_rounds:
                 counters.plain_share = s.plain_row_rounds / s.row_rounds
+            counters.levels = [lv.as_dict() for lv in s.levels]
             counters.seconds.update({k: float(v) for k, v in s.seconds.items() if k in STAGES})
         counters.seconds["other"] = max(0.0, secs - sum(v for k, v in counters.seconds.items() if k != "other"))
         return Sample(seconds=secs, tokens=tokens, counters=counters)
@@ -401,30 +404,34 @@ def run_bench(model, prompts: list[Prompt], config: BenchConfig, progress: bool 
                     if diverged:
                         rec.margins[s] = checker.margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
         checker.close()
+    predictions, predictors = predict_speedups(model, config)
     return BenchResult(config=config, records=records, model_info=model_info(model), hardware=hardware_info(),
-                       tie_tolerance=tie_tolerance(config, model.dtype), predictions=predict_speedups(model, config))
+                       tie_tolerance=tie_tolerance(config, model.dtype), predictions=predictions,
+                       predictors=predictors)
 
 
-def predict_speedups(model, config: BenchConfig) -> dict:
+def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     """The latency model's speedup over plain decoding (`ar`) for each hispec strategy, from the checkpoint's
-    calibration (acceptances measured on other text than the benchmark's); {} without a usable calibration."""
+    calibration (acceptances measured on other text than the benchmark's), and per fixed hierarchy a function of
+    observed rates ({"L4>full": a, ..., "ngram_match": m}) giving the same model's prediction with the run's own
+    acceptance (which isolates the cost model's error); ({}, {}) without a usable calibration."""
     from . import latency
     from .decoding import _auto_chain, build_levels, parse_hierarchy
     from .ngram import NgramConfig
 
     cal = model.hispec_config.calibration
     if not cal:
-        return {}
+        return {}, {}
     try:
         cal = latency.Calibration.from_dict(cal)
         cal.check(model)
     except latency.CalibrationError:
-        return {}
+        return {}, {}
     hc = model.hispec_config
     kw = dict(gamma=config.gamma or hc.gamma, window=config.window or hc.window,
               ngram=NgramConfig(**(config.ngram or hc.ngram or {})))
     plain = latency.time_per_token(["full"], [], cal)
-    out = {}
+    out, fns = {}, {}
     for s in config.strategies:
         if s in HF_STRATEGIES:
             continue
@@ -434,8 +441,12 @@ def predict_speedups(model, config: BenchConfig) -> dict:
         t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
         if s == "auto":  # rows may also decode plainly: the better of the two
             t = min(t, plain)
+        else:
+            fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(
+                names, gs, cal, acceptance={k: v for k, v in obs.items() if k != "ngram_match" and v is not None},
+                ngram_match=obs.get("ngram_match")))(names, [lv.threshold for lv in levels[:-1]])
         out[s] = plain / t
-    return out
+    return out, fns
 
 
 # ---------------------------------------------------------------------------------------------------- environment
@@ -505,6 +516,10 @@ class StrategySummary:
     speedup_vs_ar: float | None = None  # vs hispec's own plain decoding (what the latency model predicts against)
     predicted_speedup_vs_ar: float | None = None  # the latency model's prediction from the checkpoint's calibration
     prediction_error: float | None = None  # predicted / measured - 1
+    # the same model fed this run's own observed acceptance (and n-gram match) rates: the cost model's error alone
+    predicted_speedup_observed: float | None = None
+    prediction_error_observed: float | None = None
+    observed_acceptance: dict | None = None
     plain_share: float | None = None  # auto: share of row rounds decoded plainly
     hierarchy: str | None = None
 
@@ -588,6 +603,23 @@ def _mean_opt(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _observed_rates(cs) -> dict | None:
+    """Per adjacent pair of levels the i.i.d. acceptance a run observed ("L4>full": acc / (acc + rejections)), and
+    "ngram_match" (share of n-gram lookups that proposed anything); None for runs without per-level counters."""
+    runs = [c.levels for c in cs if c.levels]
+    if not runs or len(runs[0]) < 2:
+        return None
+    out = {}
+    for k in range(1, len(runs[0])):
+        acc = sum(r[k]["accepted"] for r in runs)
+        n = acc + sum(r[k]["rejections"] for r in runs)
+        out[f"{runs[0][k - 1]['name']}>{runs[0][k]['name']}"] = acc / n if n else None
+    if runs[0][0]["name"] == "ngram":
+        looks = sum(r[0]["row_passes"] for r in runs)
+        out["ngram_match"] = sum(r[0]["proposals"] for r in runs) / looks if looks else None
+    return out
+
+
 def _pass_ratio(records, s, idx) -> float:
     cs = [x.counters for i in idx for x in records[i].samples[s]]
     return sum(c.new_tokens for c in cs) / max(sum(c.target_passes for c in cs), 1)
@@ -636,10 +668,17 @@ def summarize(result: BenchResult) -> Summary:
             hierarchy=next((c.hierarchy for c in cs if c.hierarchy), None),
         )
         pred = result.predictions.get(s)
+        measured = summaries[s].speedup_vs_ar
         if pred is not None:
             summaries[s].predicted_speedup_vs_ar = pred
-            measured = summaries[s].speedup_vs_ar
             summaries[s].prediction_error = None if not measured else pred / measured - 1
+        observed = _observed_rates(cs)
+        summaries[s].observed_acceptance = observed
+        fn = result.predictors.get(s)
+        if fn is not None and observed is not None:
+            pred = fn(observed)
+            summaries[s].predicted_speedup_observed = pred
+            summaries[s].prediction_error_observed = None if not measured else pred / measured - 1
     cats: dict[str, list[int]] = {}
     for i, rec in enumerate(result.records):
         cats.setdefault(rec.category, []).append(i)
@@ -688,12 +727,16 @@ def format_table(summary: Summary) -> str:
     names = list(summary.strategies)
     preds = [s for s in summary.strategies.values() if s.predicted_speedup_vs_ar is not None]
     if preds:
-        lines += ["", "latency model (checkpoint calibration) vs measured, speedup over ar",
-                  f"{'strategy':<17}{'hierarchy':<26}{'predicted':>10}{'measured':>10}{'error':>8}{'plain %':>9}"]
+        lines += ["", "latency model vs measured, speedup over ar: predicted from the checkpoint's calibration, and "
+                  "from this run's own acceptance rates (the cost model alone)",
+                  f"{'strategy':<17}{'hierarchy':<26}{'measured':>9}{'pred cal':>9}{'error':>8}{'pred obs':>9}"
+                  f"{'error':>8}{'plain %':>8}  observed acceptance"]
         for s in preds:
-            lines.append(f"{s.strategy:<17}{(s.hierarchy or '-')[:25]:<26}{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>10}"
-                         f"{_f(s.speedup_vs_ar, '{:.2f}x'):>10}{_f(s.prediction_error, '{:+.0%}'):>8}"
-                         f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>9}")
+            obs = ", ".join(f"{k} {v:.2f}" for k, v in (s.observed_acceptance or {}).items() if v is not None)
+            lines.append(f"{s.strategy:<17}{(s.hierarchy or '-')[:25]:<26}{_f(s.speedup_vs_ar, '{:.2f}x'):>9}"
+                         f"{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>9}{_f(s.prediction_error, '{:+.0%}'):>8}"
+                         f"{_f(s.predicted_speedup_observed, '{:.2f}x'):>9}{_f(s.prediction_error_observed, '{:+.0%}'):>8}"
+                         f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>8}  {obs}")
     width = max(12, *(len(n) + 2 for n in names))
     lines += ["", "speedup vs hf (identical share) by category", f"{'category':<16}{'n':>3}  "
               + "".join(f"{n:>{width}}" for n in names)]

@@ -65,6 +65,8 @@ class LevelStats:
     name: str
     proposed: int = 0  # tokens the level below asked this level to verify (level 0: tokens it drafted)
     accepted: int = 0  # of those, accepted
+    rejections: int = 0  # row verifications that rejected one of their proposals (i.i.d. MLE: acc / (acc + rej))
+    proposals: int = 0  # level 0: row draft steps that proposed anything (an n-gram may find nothing)
     passes: int = 0  # batched passes (draft steps at level 0, verifications above)
     row_passes: int = 0  # the same, counted per participating row
     layer_evals: int = 0  # decoder-layer evaluations of real tokens in this level's range (+ its head layer)
@@ -405,6 +407,7 @@ class _Run:
             self.seq = self.seq + n
             self.exhausted |= grow
             st.proposed += int(n.sum())
+            st.proposals += int((n > 0).sum())
             st.passes += int(bool(grow.any()))
             st.row_passes += int(grow.sum())
             st.seconds += time.perf_counter() - t0
@@ -427,6 +430,7 @@ class _Run:
             self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
             self.seq = self.seq + grow.long()
             st.proposed += int(grow.sum()) if self.K else 0
+            st.proposals += int(grow.sum()) if self.K else 0
             st.passes += 1
             st.row_passes += int(grow.sum())
         st.seconds += time.perf_counter() - t0
@@ -495,6 +499,7 @@ class _Run:
         st = self.stats.levels[k]
         st.accepted += int(a.sum())
         st.proposed += int(m.sum())
+        st.rejections += int((part & (a < m)).sum())
         st.passes += 1
         st.row_passes += int(part.sum())
         if k == self.K:
