@@ -53,8 +53,10 @@ tokens (plus the lower ranges over the newest token) and its cost depends on T, 
 measured per-pass overhead; (4) level i gathers exactly g_i tokens here (the decoder verifies when it has at
 least g_i, and a lower level's burst can overshoot; the paper's thresholds have the same effect, the model
 ignores it); (5) acceptance rates are measured top-1 agreements along the full model's own greedy answers
-(teacher-forced), one per pair of levels: greedy decoding only. Costs of sampling (probability rows, rejection
-sampling) are not modelled.
+(teacher-forced), one per pair of levels: greedy decoding only. An n-gram level's acceptance is bursty (copied
+spans are accepted whole, the rest hardly at all); its i.i.d. rate is fitted on the rounds the decoder would run
+(with proposals of up to `NgramConfig.max_len`), which keeps E(a, g) per matched round close to the real mean.
+Costs of sampling (probability rows, rejection sampling) are not modelled.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ class Calibration:
 
     `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s};
     `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, ...} for every pair lower < upper; `ngram_match`: the
-    share of positions where the n-gram lookup proposes anything; `measured`: tokens/s per strategy where a run
+    share of the n-gram level's rounds whose lookup proposes anything; `measured`: tokens/s per strategy where a run
     measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
 
     machine: dict
@@ -662,6 +664,42 @@ def _prompt_ids(model, prompt) -> list[int]:
     return render(model.tokenizer, text, chat=True)
 
 
+def ngram_rounds(tokens: torch.Tensor, P: int, answer: list[int], upper_argmax: list[int], ngram: NgramConfig,
+                 lookup_times: list | None = None) -> tuple[int, int, int, int, int]:
+    """The rounds an n-gram level runs under a verifier U along a known greedy answer, as the decoder would:
+    lookup over the known prefix, the proposal walked against U's argmax until the first mismatch (one rejection),
+    then U's own token; a round without a proposal is U's own token. `tokens` [P + N] = prompt + answer,
+    `upper_argmax[q - 1]` = U's argmax for answer token q (teacher-forced); answer token 0 comes from prefill.
+    Returns (accepted, proposed, rejections, rounds, rounds with a proposal); a walk that leaves the answer (U
+    accepts a token the answer does not continue with) or runs past it is censored (no rejection)."""
+    N = len(answer)
+    acc = proposed = rej = rounds = matched = 0
+    j = 1  # answer token j is next; known: prompt + answer[:j]
+    while j < N:
+        t0 = time.perf_counter()
+        prop = propose(tokens[: P + j], ngram).tolist()
+        if lookup_times is not None:
+            lookup_times.append(time.perf_counter() - t0)
+        rounds += 1
+        a = 0
+        if prop:
+            matched += 1
+            proposed += len(prop)
+            for i, t in enumerate(prop):
+                q = j + i
+                if q >= N:
+                    break
+                if t != upper_argmax[q - 1]:
+                    rej += 1
+                    break
+                a += 1
+                if t != answer[q]:
+                    break
+            acc += a
+        j += a + 1  # the accepted proposals, then U's own token
+    return acc, proposed, rej, rounds, matched
+
+
 def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = NgramConfig(),
               progress: bool = False, repeats: int = 10, max_gamma: int = DEFAULT_MAX_GAMMA) -> Calibration:
     """Measure a `Calibration` of `model` (an `EarlyExitModel`) on this machine, in its dtype and thread count.
@@ -669,9 +707,11 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     `prompts`: texts (rendered with the chat template), `hispec.prompts.Prompt`s or token id lists. Steps:
     1. greedy answers (`strategy="ar"`, `max_new_tokens`), timed: the median decode step (prefill excluded);
     2. prompt + answer teacher-forced once: per answer position the argmax of every exit head and of the model;
-       top-1 agreement per pair of levels; the n-gram lookup at every position over the known prefix: the share
-       that proposes (`ngram_match`), its per-token acceptance against each level above (walk the proposal until
-       the first mismatch, `acceptance_from_counts`) and its median lookup time;
+       top-1 agreement per pair of levels over all answer positions (every position is a draft opportunity);
+       for "ngram" under each level U the decoder's rounds along the answer: a lookup over the known prefix,
+       the proposal walked against U's argmax until the first mismatch, then U's own token (so a copied span
+       counts once, as in decoding, not once per position): per-token acceptance by `acceptance_from_counts`,
+       `ngram_match` = the share of rounds (under "full") whose lookup proposes, the median lookup time;
     3. unit costs (`measure_costs`) behind a KV cache of the typical context (median prompt + half an answer),
        for T = 1..max(max_gamma, ngram.max_len) + 1;
     4. `step_overhead` = median decode step - (L layer(1) + final(1)), clamped at 0."""
@@ -700,8 +740,8 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     # 2. acceptances, teacher-forced along those answers
     levels = [level_name(layer) for layer in sorted(exits.values())] + [FULL]
     agree = {pair_key(a, b): [0, 0] for i, a in enumerate(levels) for b in levels[i + 1:]}
-    ng = {lv: [0, 0, 0] for lv in levels}  # accepted, proposed, rejections
-    matched = positions = 0
+    ng = {lv: [0, 0, 0, 0, 0] for lv in levels}  # accepted, proposed, rejections, rounds, rounds with a proposal
+    positions = 0
     lookups = []
     bounds = sorted({0, L, *exits.values()})
     for ids, ans in tqdm(list(zip(ids_list, answers)), desc="calibration: acceptance", disable=not progress,
@@ -728,33 +768,16 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
             lo, hi = key.split(">")
             c[0] += sum(x == y for x, y in zip(arg[lo], arg[hi]))
             c[1] += N - 1
-        tokens = seq[0].cpu()
-        for j in range(1, N):  # answer token j is next; known: prompt + answer[:j]
-            t0 = time.perf_counter()
-            prop = propose(tokens[: P + j], ngram).tolist()
-            lookups.append(time.perf_counter() - t0)
-            positions += 1
-            if not prop:
-                continue
-            matched += 1
-            for lv in levels:
-                c = ng[lv]
-                c[1] += len(prop)
-                for i, t in enumerate(prop):
-                    q = j + i
-                    if q >= N:
-                        break  # past the known answer: censored
-                    if t != arg[lv][q - 1]:
-                        c[2] += 1
-                        break
-                    c[0] += 1
-                    if t != ans[q]:
-                        break  # accepted by this level, but the answer (the teacher-forced context) goes elsewhere
+        positions += N - 1
+        for lv in levels:
+            counts = ngram_rounds(seq[0].cpu(), P, ans, arg[lv], ngram, lookups)
+            ng[lv] = [x + y for x, y in zip(ng[lv], counts)]
     if positions == 0:
         raise ValueError(f"calibration needs answers of >= 2 tokens; got none (max_new_tokens={max_new_tokens})")
     acceptance = {k: c[0] / c[1] for k, c in agree.items()}
-    for lv, (acc, prop_n, rej) in ng.items():
+    for lv, (acc, prop_n, rej, _, _) in ng.items():
         acceptance[pair_key(NGRAM, lv)] = acceptance_from_counts(acc, prop_n, rej) or 0.0
+    rounds, matched = ng[FULL][3:]  # exact for ngram > full: teacher forcing follows the model's own greedy path
 
     # 3. unit costs, behind the typical context
     context = int(statistics.median(len(ids) + len(ans) // 2 for ids, ans in zip(ids_list, answers)))
@@ -773,7 +796,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     measured = {"ar": 1.0 / step} if step else None
     return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype), threads=torch.get_num_threads(),
                        model=model_identity(model), costs=costs, acceptance=acceptance,
-                       ngram_match=matched / positions, measured=measured, context=context, positions=positions,
+                       ngram_match=matched / max(rounds, 1), measured=measured, context=context, positions=positions,
                        ngram={"max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram, "max_len": ngram.max_len})
 
 
@@ -848,6 +871,7 @@ __all__ = [
     "measure_layer_costs",
     "median_times",
     "model_identity",
+    "ngram_rounds",
     "nondecreasing",
     "named_hierarchies",
     "predictions",

@@ -182,6 +182,21 @@ def test_best_gammas_is_memoised_on_rounded_acceptances():
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+def test_ngram_rounds_follow_the_decoder_and_count_a_copied_span_once():
+    from hispec.ngram import NgramConfig
+
+    prompt, answer = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 9, 9]
+    tokens = torch.tensor(prompt + answer)
+    # round 1 (after answer[0] = 1): "1" occurred at 0 -> proposes 2 3 4 5 6 1: five accepted, then 1 != 9 rejected;
+    # round 2 (after ... 6 9): "9" never occurred -> no proposal, the verifier's own token; then the answer ends
+    assert lt.ngram_rounds(tokens, 6, answer, answer[1:], NgramConfig()) == (5, 6, 1, 2, 1)
+    # a verifier that disagrees from the start: every proposal is rejected at once, rounds advance one token each
+    other = [0] * 7
+    acc, proposed, rej, rounds, matched = lt.ngram_rounds(tokens, 6, answer, other, NgramConfig())
+    assert acc == 0 and rej == matched and rounds == 7
+
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
@@ -204,6 +219,7 @@ def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
     assert all(t > 0 for h in cal.costs["head"].values() for t in h.values())
     assert all(t > 0 for t in cal.costs["final"].values())
     assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0
+    assert cal.acceptance["ngram>full"] > 0 and cal.ngram_match > 0  # the repetitive prompt
     assert cal.measured["ar"] > 0 and cal.context > 0 and cal.threads == torch.get_num_threads()
     assert cal.model["exits"] == {"draft": 2, "verify": 4} and cal.dtype == "float32"
     choice = lt.best_hierarchy(cal)
