@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .decoding import STRATEGIES as HISPEC_STRATEGIES
+from .io import write_json
 from .prompts import Prompt, encode_prompts
 
 HF_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup")
@@ -774,7 +774,7 @@ def plot(summary: Summary, path: str | os.PathLike) -> Path:
     if "hf" not in summary.strategies or not names:
         raise ValueError("--plot needs 'hf' and at least one other strategy (it plots speedup vs hf)")
     cats = sorted(summary.categories) + ["all"]
-    fig = Figure(figsize=(max(6.0, 0.9 * len(cats) * max(1, len(names)) / 2 + 2), 4.5), dpi=120)
+    fig = Figure(figsize=(max(6.0, 0.6 * len(cats) + 0.08 * len(cats) * len(names) + 2), 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / len(names)
@@ -1014,13 +1014,5 @@ def write_decoding_defaults(folder: str | os.PathLike, setting: Setting, *, writ
         hc.draft_layer, hc.verify_layer = setting.draft_layer, setting.verify_layer or hc.verify_layer
     h = {**cfg["hispec"], **hc.to_dict()}
     cfg["hispec"] = h
-    fd, tmp = tempfile.mkstemp(prefix=".config.json.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(cfg, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_json(path, cfg)
     return h

@@ -584,10 +584,10 @@ class _AutoPolicy:
     for an n-gram level 0 also its match rate. Before every round the rule picks, per row, the lowest level s the
     row uses (s = K: plain decoding) and the gammas of levels s..K-1 minimising the latency model's predicted time
     per token (`latency.best_gammas`) under the row's own estimates, and writes them into `gam` (0 below s).
-    A row that has switched level s-1 off keeps measuring it for free: when level s produces a token itself, the
-    switched-off level's proposal for that position (its head on the exit state the pass just computed, or an
-    n-gram lookup) is compared with it (greedy: equal top-1; sampling: the exact acceptance probability
-    sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops to cheaper hierarchies, down to plain decoding,
+    A row that has switched level s-1 off keeps measuring it almost for free: when level s produces a token itself,
+    the switched-off level's proposal for that position (its head on the exit state the pass just computed, every
+    SHADOW_EVERY-th such pass; or an n-gram lookup, every time) is compared with it (greedy: equal top-1;
+    sampling: the exact acceptance probability sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops to cheaper hierarchies, down to plain decoding,
     when speculation stops paying, and climbs back one level at a time when it pays again.
 
     The rule only changes how many tokens a level gathers and which levels a row uses, from tokens already drawn;
@@ -596,6 +596,7 @@ class _AutoPolicy:
 
     DECAY = 0.85
     PRIOR = 2.0
+    SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit (n-gram lookups: every one)
 
     def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8):
         from . import latency
@@ -610,6 +611,7 @@ class _AutoPolicy:
         self.hit = torch.full((B,), self.PRIOR * match, dtype=torch.float64)
         self.miss = torch.full((B,), self.PRIOR * (1 - match), dtype=torch.float64)
         self.lowest = torch.zeros(B, dtype=torch.long)  # per row, the lowest level it used in the last round
+        self._shadow_tick = 0
 
     # ---------------------------------------------------------------- estimates
     def _update(self, i: int, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):
@@ -654,6 +656,9 @@ class _AutoPolicy:
             self._update(i, shadow[has], x, 1 - x)
             return
         if run.state_heads[i] is not None:  # a `layer` head needs its own KV: no free shadow, keep the estimate
+            return
+        self._shadow_tick += 1
+        if self._shadow_tick % self.SHADOW_EVERY:  # an exit head costs a few % of a plain step: sample, not always
             return
         # the switched-off exit's state at each row's last known position (all rows: one batched head call)
         last = (run.seq - 1).clamp(min=0)
@@ -741,7 +746,7 @@ def default_strategy(model) -> str:
         import warnings
 
         warnings.warn(f"hispec: {why}; decoding plainly (strategy='ar'). Measure this machine with "
-                      "`hispec-export RUN --output-dir OUT --calibrate` or `hispec-bench --model CKPT --write-defaults`, "
+                      "`hispec-export RUN --output-dir OUT --calibrate` or `hispec-bench --model CKPT --calibrate`, "
                       "or choose a strategy yourself.", stacklevel=3)
     return "ar"
 
@@ -753,7 +758,7 @@ def _calibration(model):
     if not cal:
         raise CalibrationError(
             "strategy='auto' needs a calibration of this checkpoint on this machine: run `hispec-export RUN "
-            "--output-dir OUT --calibrate` or `hispec-bench --model CKPT --write-defaults`, or pick a strategy")
+            "--output-dir OUT --calibrate` or `hispec-bench --model CKPT --calibrate`, or pick a strategy")
     cal = cal if isinstance(cal, Calibration) else Calibration.from_dict(cal)
     cal.check(model)
     return cal

@@ -433,7 +433,7 @@ model = hispec.load("{name}")          # base + exit heads, checked against each
 tok = model.tokenizer
 enc = tok("The capital of France is", return_tensors="pt")
 out = model.generate(enc.input_ids, attention_mask=enc.attention_mask,
-                     strategy="hispec", max_new_tokens=64)   # or "self-spec", "ar": same tokens
+                     max_new_tokens=64)   # "auto" (calibrated) or "ar"; "hispec", "ngram", ...: same tokens
 print(tok.decode(out.sequences[0], skip_special_tokens=True))
 print(out.stats)                        # acceptance counts and timings
 ```
@@ -441,7 +441,7 @@ print(out.stats)                        # acceptance counts and timings
 From the command line:
 
 ```bash
-hispec-generate {name} --prompt "The capital of France is" --strategy hispec
+hispec-generate --model {name} --prompt "The capital of France is"   # --strategy hispec / ngram / auto ...
 ```
 
 ## Files

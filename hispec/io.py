@@ -61,9 +61,17 @@ def read_json(path: str | os.PathLike) -> dict:
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
+    """Write `data` as indented JSON through a temporary sibling file + os.replace: a crash leaves the old file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def resolve_file(name_or_path: str, filename: str, revision: str | None = None) -> str:

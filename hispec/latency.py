@@ -67,13 +67,13 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .io import write_json
 from .ngram import NgramConfig, propose
 
 NGRAM, FULL = "ngram", "full"
@@ -801,18 +801,6 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
 
 
 # ---------------------------------------------------------------------------------------------- storage
-def _write_json_atomic(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_calibration(folder: str | os.PathLike, cal: Calibration | None) -> Path:
     """Store `cal` as config.json["hispec"]["calibration"] of the checkpoint `folder` (temporary file +
     os.replace: a crash leaves the old config); None removes it."""
@@ -826,7 +814,7 @@ def write_calibration(folder: str | os.PathLike, cal: Calibration | None) -> Pat
         cfg["hispec"].pop("calibration", None)
     else:
         cfg["hispec"]["calibration"] = cal.to_dict()
-    _write_json_atomic(path, cfg)
+    write_json(path, cfg)
     return path
 
 

@@ -16,6 +16,7 @@ import itertools
 import pytest
 import torch
 import transformers
+from test_decoding import _chi2_pvalue
 from tiny import FAMILIES, tiny_config, tiny_model
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -214,21 +215,6 @@ def _draw(model, prompt, n, strategy, draws, seed):
     out = model.generate(torch.tensor([prompt] * draws), max_new_tokens=n, strategy=strategy, do_sample=True,
                          gamma=2, window=2, generator=g, temperature=1.0)
     return [tuple(t) for t in out.new_tokens]
-
-
-def _chi2_pvalue(samples, outcomes, probs):
-    from scipy import stats
-
-    counts = torch.zeros(len(outcomes))
-    index = {o: i for i, o in enumerate(outcomes)}
-    for s in samples:
-        counts[index[s]] += 1
-    expected = probs / probs.sum() * len(samples)
-    big = expected >= 5  # pool rare cells so the chi-square approximation holds
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    return stats.chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue
 
 
 PROMPT, N, DRAWS = [1, 3, 2], 3, 6000
