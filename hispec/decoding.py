@@ -392,9 +392,10 @@ class _Run:
         `ar`, where it is committed), or a whole n-gram continuation of up to gam[0] tokens."""
         t0 = time.perf_counter()
         st = self.stats.levels[0]
-        grow = active & (self.seq < self._stop_pos())
+        stop = self._stop_pos()
+        grow = active & (self.seq < stop)
         if self.levels[0].kind == "ngram":
-            room = torch.minimum(self.gam[0], self._stop_pos() - self.seq).clamp(min=0)
+            room = torch.minimum(self.gam[0], stop - self.seq).clamp(min=0)
             props, n = propose_batch(self.tok, self.seq, grow, room, self.ngram)
             W = props.shape[1]
             pos = (self.seq[:, None] + torch.arange(W, device=n.device)).clamp(max=self.tok.shape[1] - 1)
