@@ -588,8 +588,11 @@ class _AutoPolicy:
     A row that has switched level s-1 off keeps measuring it almost for free: when level s produces a token itself,
     the switched-off level's proposal for that position (its head on the exit state the pass just computed, every
     SHADOW_EVERY-th such pass; or an n-gram lookup, every time) is compared with it (greedy: equal top-1;
-    sampling: the exact acceptance probability sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops to cheaper hierarchies, down to plain decoding,
-    when speculation stops paying, and climbs back one level at a time when it pays again.
+    sampling: the exact acceptance probability sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops
+    to cheaper hierarchies, down to plain decoding, when speculation stops paying, and climbs back when it pays
+    again. Hysteresis: a row decoding plainly starts speculating only when the predicted time per token is more
+    than MARGIN below plain decoding's (within the latency model's measured error a gain is not a gain); a row
+    already speculating keeps doing so while any gain is predicted.
 
     The rule only changes how many tokens a level gathers and which levels a row uses, from tokens already drawn;
     every token is still verified by the full model exactly as in a fixed hierarchy, so output is unchanged.
@@ -598,6 +601,7 @@ class _AutoPolicy:
     DECAY = 0.85
     PRIOR = 2.0
     SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit (n-gram lookups: every one)
+    MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
     def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8):
         from . import latency
@@ -611,7 +615,8 @@ class _AutoPolicy:
         match = float(getattr(cal, "ngram_match", 0.0) or 0.0)
         self.hit = torch.full((B,), self.PRIOR * match, dtype=torch.float64)
         self.miss = torch.full((B,), self.PRIOR * (1 - match), dtype=torch.float64)
-        self.lowest = torch.zeros(B, dtype=torch.long)  # per row, the lowest level it used in the last round
+        # per row, the lowest level it used in the last round; rows start as plain, so the first round needs MARGIN
+        self.lowest = torch.full((B,), K, dtype=torch.long)
         self._shadow_tick = 0
 
     # ---------------------------------------------------------------- estimates
@@ -681,8 +686,9 @@ class _AutoPolicy:
         gam = [g.clone() for g in run.gam]
         pairs = [f"{a}>{b}" for a, b in zip(self.names, self.names[1:])]
         for b in range(alphas.shape[0]):
+            margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
             gs = self.latency.best_gammas(self.names, self.cal, dict(zip(pairs, alphas[b].tolist())),
-                                          max_gamma=self.max_gamma, ngram_match=float(match[b]))
+                                          max_gamma=self.max_gamma, ngram_match=float(match[b]), margin=margin)
             self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
             for i in range(K):
                 gam[i][b] = gs[i]

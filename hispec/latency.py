@@ -452,21 +452,25 @@ def _best_chain(cal: Calibration, levels: list[str], acceptance: dict | None, ma
 
 
 def best_gammas(levels, cal: Calibration, acceptance: dict | None = None, max_gamma: int = DEFAULT_MAX_GAMMA,
-                ngram_match: float | None = None) -> list[int]:
+                ngram_match: float | None = None, margin: float = 0.0) -> list[int]:
     """The best gammas for the fixed hierarchy `levels`, each in 0..max_gamma (0 = skip: the level above drafts
     itself; all zeros = plain decoding), given acceptance rates per pair (missing pairs: the calibration's).
+    Speculation is chosen only when its predicted time per token is below (1 - `margin`) of plain decoding's: a
+    margin of a few % keeps a caller off speculation whose predicted gain is within the model's error.
     Rates are rounded to 0.01 and the answer memoised on the calibration, so calling it every few rounds per row
     costs a dict lookup."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
     levels = _check_levels(cal, levels)
     match = cal.ngram_match if ngram_match is None else ngram_match
     pairs = [pair_key(a, b) for i, a in enumerate(levels) for b in levels[i + 1:]]
     acc = {p: round(float(acceptance[p]), 2) for p in pairs if acceptance and acceptance.get(p) is not None}
-    key = ("best_gammas", tuple(levels), tuple(sorted(acc.items())), round(match, 2), max_gamma)
+    key = ("best_gammas", tuple(levels), tuple(sorted(acc.items())), round(match, 2), max_gamma, margin)
     memo = cal._memo.setdefault("best_gammas", {})
     if key in memo:
         return list(memo[key])
     K = len(levels) - 1
-    best_t, best = _draft_cost(cal, FULL), [0] * K  # plain decoding
+    best_t, best = _draft_cost(cal, FULL) * (1 - margin), [0] * K  # plain decoding, less the margin
     for start in range(K - 1, -1, -1):  # the bottom level: shallower bottoms only when strictly better
         chain = levels[start:]
         t, gm = _best_chain(cal, chain, acc, round(match, 2), max_gamma)

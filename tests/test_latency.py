@@ -173,6 +173,23 @@ def test_dynamic_program_equals_brute_force_over_all_stacks_and_gammas(seed):
     assert lt.time_per_token(fixed, got, cal) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_best_gammas_margin_speculates_only_for_a_clear_predicted_gain(seed):
+    cal = random_calibration(random.Random(seed))
+    fixed = [lv for lv in cal.levels if lv != "ngram"]
+    plain = lt.time_per_token(["full"], [], cal)
+    free = lt.best_gammas(fixed, cal, {}, max_gamma=4)
+    t = lt.time_per_token(fixed, free, cal)
+    for margin in (0.0, 0.05, 0.3):
+        got = lt.best_gammas(fixed, cal, {}, max_gamma=4, margin=margin)
+        if t < plain * (1 - margin) * (1 - 1e-9):
+            assert got == free  # a clear gain: the margin changes nothing
+        else:
+            assert got == [0, 0]  # plain decoding
+    with pytest.raises(ValueError, match="margin"):
+        lt.best_gammas(fixed, cal, {}, margin=1.0)
+
+
 def test_best_gammas_is_memoised_on_rounded_acceptances():
     cal = synthetic()
     a = lt.best_gammas(["L2", "L5", "full"], cal, {"L2>L5": 0.801, "L5>full": 0.9})
