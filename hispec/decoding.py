@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .heads import ContextInputs
 from .ngram import NgramConfig, propose_batch
 from .sampling import greedy_accept, logits_to_probs, sample, speculative_accept
 
@@ -273,6 +274,9 @@ class _Run:
         self.exhausted = torch.zeros(B, dtype=torch.bool, device=dev)  # an ngram level 0 has no more proposals
         H = self.adapter.hidden_size
         self.hid = [None] + [torch.zeros(B, cap, H, dtype=self.adapter.dtype, device=dev) for _ in range(self.K)]
+        # `context` heads read the final layer's states of verified positions: kept per row (valid below done[K])
+        self.fin = (torch.zeros(B, cap, H, dtype=self.adapter.dtype, device=dev)
+                    if any(lv.kind == "exit" and model.heads[lv.head].needs_context for lv in levels) else None)
         # `layer` heads keep their own KV as extra cache layers, advanced and rolled back with their exit's range
         self.cache = self.adapter.new_cache(B, extra=model.extra_cache_layers)
         self.state_heads = [None] * (self.K + 1)
@@ -305,9 +309,10 @@ class _Run:
             inp = self.hid[j].gather(1, idx[..., None].expand(-1, -1, self.adapter.hidden_size))
         out = inp if a == b else self.adapter.run_layers(inp, a, b, position_ids=idx, cache=self.cache, valid=valid)
         self.stats.levels[j].layer_evals += int(n.sum()) * (b - a)
-        if j + 1 <= self.K:
+        dest = self.hid[j + 1] if j + 1 <= self.K else self.fin
+        if dest is not None:
             r, c = valid.nonzero(as_tuple=True)
-            self.hid[j + 1][r, idx[r, c]] = out[r, c]
+            dest[r, idx[r, c]] = out[r, c]
         feats = None
         head = self.state_heads[j]
         if head is not None:  # the head's own layer sees exactly the positions its exit's range saw
@@ -320,13 +325,35 @@ class _Run:
         self.done[j] = torch.maximum(start, end)
         return out, start, feats
 
-    def _logits(self, k: int, hidden: torch.Tensor, head_feats: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(self, k: int, hidden: torch.Tensor, head_feats: torch.Tensor | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Level k's logits for its states `hidden` `[B, T, H]` at positions `pos` `[B, T]` (context heads)."""
         head = self.levels[k].head
         if head is None:
             return self.adapter.final_logits(hidden)
         if head_feats is not None:  # a stateful head already ran while its range advanced
             return self.model.project_exit(head, head_feats)
-        return self.model.exit_logits(head, hidden)
+        ctx = self._context(k, pos) if self.model.heads[head].needs_context else None
+        return self.model.exit_logits(head, hidden, context=ctx)
+
+    def _context(self, k: int, pos: torch.Tensor) -> ContextInputs:
+        """What level k's `context` head may read for queries at `pos`: for each layer it reads, the decoder's
+        buffer of that layer's states and, per row, the positions below which they are valid (the final layer's:
+        what the full model verified, done[K]; an exit's: what its range has run, done of the range below it). A
+        layer this hierarchy does not run is never available."""
+        head = self.model.heads[self.levels[k].head]
+        states, avail = [], []
+        for L in head.context_layers:
+            if L == self.adapter.num_layers:
+                buf, ok = self.fin, self.done[self.K]
+            elif L in self.bounds[1:self.K + 1]:
+                i = self.bounds.index(L, 1)  # hid[i] holds the output of range i - 1, i.e. the state at bounds[i]
+                buf, ok = self.hid[i], self.done[i - 1]
+            else:
+                buf, ok = self.hid[k + 1], torch.zeros_like(self.seq)
+            states.append(buf)
+            avail.append(ok)
+        return ContextInputs(states=states, avail=avail, query_pos=pos, layers=list(head.context_layers))
 
     def _stop_pos(self) -> torch.Tensor:
         """Per row, the first position that must not be extended: min(limit, first EOS after the prompt + 1)."""
@@ -419,7 +446,8 @@ class _Run:
             last = (end - start - 1).clamp(min=0)
             rows = torch.arange(len(last))
             feats = out[rows, last][:, None]  # [B, 1, H]
-            logits = self._logits(0, feats, None if hf is None else hf[rows, last][:, None])[:, 0]
+            logits = self._logits(0, feats, None if hf is None else hf[rows, last][:, None],
+                                  pos=(start + last)[:, None])[:, 0]
             if self.do_sample:
                 probs = logits_to_probs(logits, **self.warp)
                 token = sample(probs, self.generator)
@@ -456,12 +484,13 @@ class _Run:
         if not bool(part.any()):
             return
         m = torch.where(part, m, torch.zeros_like(m))
-        out = hf = None
+        out = hf = start = None
         for j in range(k + 1):
-            out, _, hf = self._advance(j, torch.where(part, self.seq, self.done[j]))
+            out, start, hf = self._advance(j, torch.where(part, self.seq, self.done[j]))
         M = int(m.max())
         feats = out[:, : M + 1]  # range k started at ver[k] - 1 for participating rows
-        logits = self._logits(k, feats, None if hf is None else hf[:, : M + 1])  # [B, M+1, V]
+        pos = start[:, None] + torch.arange(M + 1, device=start.device)
+        logits = self._logits(k, feats, None if hf is None else hf[:, : M + 1], pos=pos)  # [B, M+1, V]
         cidx = (self.ver[k][:, None] + torch.arange(M, device=m.device)).clamp(max=self.tok.shape[1] - 1)
         cands = self.tok.gather(1, cidx)
         probs = None
@@ -556,6 +585,7 @@ class _Run:
         self.gam = [sel(g) for g in self.gam]
         self.exhausted = sel(self.exhausted)
         self.hid = [sel(h) for h in self.hid]
+        self.fin = sel(self.fin)
         self.rows = [sel(r) for r in self.rows]
         self.base, self.orig = sel(self.base), sel(self.orig)
         self.cache.reorder_batch(idx)
@@ -669,7 +699,7 @@ class _AutoPolicy:
         # the switched-off exit's state at each row's last known position (all rows: one batched head call)
         last = (run.seq - 1).clamp(min=0)
         h = run.hid[k][torch.arange(len(last), device=last.device), last][:, None]
-        logits = run._logits(i, h)[:, 0][dev_rows]
+        logits = run._logits(i, h, pos=last[:, None])[:, 0][dev_rows]
         if probs is not None:
             q = logits_to_probs(logits, **run.warp)
             x = torch.minimum(q, probs[dev_rows, 0]).sum(-1)

@@ -15,7 +15,19 @@ Contract: a head takes hidden states `[B, T, H]` at its exit and returns normed 
             `run_layer(module, hidden)` (the decoder: `DecoderAdapter.run_module` on its cache; training: a fresh
             cache over whole sequences, see `ExitHead.run_layer_fresh`). Trainable fully or with LoRA (peft).
 
-`ExitHead.stateful` is True only for `layer`.
+- `context` the exit state of token t plus what the decoder already knows about the positions before it: one
+            cross-attention block (queries from the exit state at t; keys/values from a window of the last
+            `window` positions <= t, each represented by the *deepest* state the decoder holds for it: the final
+            layer's residual for positions the full model verified, else an intermediate exit's, else this exit's
+            own) followed by a SiLU MLP, both residual with zero-initialised output projections, so it starts
+            exactly as `norm`. Each kind of state (one per layer in `context_layers`) gets its own trainable copy of
+            the final norm and a learned kind embedding; a learned bias per attention head and relative distance
+            t - p encodes positions. It is stateless (no KV of its own: the window is re-read from the decoder's
+            hidden-state buffers every call), so drafts roll back for free. Callers pass a `ContextInputs`
+            (the decoder's buffers and, per kind, up to which position each query may read it; training builds the
+            same from whole sequences, drawing each position's verified frontier like decoding produces it).
+
+`ExitHead.stateful` is True only for `layer`; `ExitHead.needs_context` only for `context`.
 
 Any head may carry a reduced output vocabulary (`set_vocab(ids)`, a persistent `vocab` buffer of sorted token ids,
 saved with the head): `EarlyExitModel.exit_logits` then projects onto those rows of the lm_head only (8k of 49k rows
@@ -27,13 +39,35 @@ sampling; greedy drafts outside the set are simply never proposed).
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-HEAD_TYPES = ("shared", "norm", "linear", "lowrank", "layer")
+HEAD_TYPES = ("shared", "norm", "linear", "lowrank", "layer", "context")
 STATELESS_HEAD_TYPES = ("shared", "norm", "linear", "lowrank")  # position-wise: no attention, no KV
 EXTRA_CACHE_INDEX = {"draft": 0, "verify": 1}  # a layer head's cache layer: num_layers + this
+
+
+CONTEXT_DEFAULTS = {"window": 16, "heads": 4, "head_dim": None, "mlp_mult": 2}  # head_dim None: min(64, H // heads)
+
+
+@dataclass
+class ContextInputs:
+    """What a `context` head reads besides its exit state, for queries at positions `query_pos` `[B, T]`.
+
+    `states[i]` `[B, S, H]`: the residual stream after layer `layers[i]` at every position of a row (a buffer: only
+    positions below `avail[i]` are meaningful). `avail[i]` `[B, T]` (or `[B]`, the same for every query of a row):
+    query t may read kind i at positions p < avail[i]. `layers` must be the head's `context_layers` (deepest
+    first is not required: the head picks, per position, the deepest kind available). Positions < `start` `[B]`
+    (default 0) are never read (left padding)."""
+
+    states: list
+    avail: list
+    query_pos: torch.Tensor
+    layers: list
+    start: torch.Tensor | None = None
 
 
 def _set_layer_idx(module: nn.Module, idx: int) -> None:
@@ -49,7 +83,8 @@ def _set_layer_idx(module: nn.Module, idx: int) -> None:
 
 class ExitHead(nn.Module):
     def __init__(self, head_type: str, final_norm: nn.Module, hidden_size: int, rank: int = 64, *,
-                 layer: nn.Module | None = None, layer_type: str = "full_attention", cache_index: int | None = None):
+                 layer: nn.Module | None = None, layer_type: str = "full_attention", cache_index: int | None = None,
+                 context_layers: list[int] | None = None, context: dict | None = None):
         super().__init__()
         if head_type not in HEAD_TYPES:
             raise ValueError(f"unknown head type '{head_type}'; choose one of {', '.join(HEAD_TYPES)}")
@@ -84,7 +119,49 @@ class ExitHead(nn.Module):
             nn.init.normal_(down.weight, std=hidden_size**-0.5)
             nn.init.zeros_(up.weight)
             self.adapter = nn.Sequential(down, up)
+        self.context_layers: list[int] | None = None
+        self.context: dict | None = None
+        if head_type == "context":
+            self._init_context(final_norm, hidden_size, context_layers, context)
         self.register_buffer("vocab", None)
+
+    def _init_context(self, final_norm, H, layers, settings):
+        if not layers:
+            raise ValueError("a 'context' head needs context_layers: its own exit layer and deeper ones it reads")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"context_layers must be distinct, got {layers}")
+        unknown = set(settings or {}) - set(CONTEXT_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown context head settings {sorted(unknown)}; known: {sorted(CONTEXT_DEFAULTS)}")
+        cfg = {**CONTEXT_DEFAULTS, **(settings or {})}
+        if cfg["head_dim"] is None:
+            cfg["head_dim"] = max(1, min(64, H // cfg["heads"])) if isinstance(cfg["heads"], int) else None
+        for k, v in cfg.items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"context head setting {k} must be an integer >= 1, got {v!r}")
+        self.context_layers, self.context = [int(x) for x in layers], cfg
+        nh, dh, W = cfg["heads"], cfg["head_dim"], cfg["window"]
+        A = nh * dh
+        self.ctx_norms = nn.ModuleList(copy.deepcopy(final_norm) for _ in layers)
+        for p in self.ctx_norms.parameters():
+            p.requires_grad_(True)
+        self.ctx_kind = nn.Parameter(torch.zeros(len(layers), H))
+        self.ctx_q = nn.Linear(H, A, bias=False)
+        self.ctx_k = nn.Linear(H, A, bias=False)
+        self.ctx_v = nn.Linear(H, A, bias=False)
+        self.ctx_o = nn.Linear(A, H, bias=False)
+        self.ctx_rel = nn.Parameter(torch.zeros(nh, W))  # bias per attention head and distance t - p in 0..W-1
+        inner = cfg["mlp_mult"] * H
+        self.ctx_up = nn.Linear(H, inner, bias=False)
+        self.ctx_down = nn.Linear(inner, H, bias=False)
+        for lin in (self.ctx_q, self.ctx_k, self.ctx_v, self.ctx_up):
+            nn.init.normal_(lin.weight, std=H**-0.5)
+        nn.init.zeros_(self.ctx_o.weight)
+        nn.init.zeros_(self.ctx_down.weight)
+
+    @property
+    def needs_context(self) -> bool:
+        return self.context_layers is not None
 
     def set_vocab(self, ids: torch.Tensor | None) -> None:
         """Restrict this head's output to the token ids `ids` (1-D, unique; stored sorted), or lift it (None)."""
@@ -108,12 +185,14 @@ class ExitHead(nn.Module):
     def stateful(self) -> bool:
         return self.layer is not None
 
-    def forward(self, hidden: torch.Tensor, run_layer=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, run_layer=None, context: ContextInputs | None = None) -> torch.Tensor:
         """hidden `[B, T, H]` residual stream at the exit -> `[B, T, H]` features for the lm_head.
 
         A `layer` head needs `run_layer(module, hidden) -> hidden` that runs its decoder layer over these positions
-        with the right cache and positions (see the module docstring).
+        with the right cache and positions (see the module docstring); a `context` head needs `context`.
         """
+        if self.context_layers is not None:
+            return self._context_forward(hidden, context)
         if self.layer is not None:
             if run_layer is None:
                 raise ValueError("a 'layer' head attends over previous positions: call it with run_layer=... "
@@ -124,6 +203,78 @@ class ExitHead(nn.Module):
         if self.adapter is not None:
             y = y + self.adapter(y)
         return y
+
+    def _context_forward(self, hidden: torch.Tensor, ctx: ContextInputs | None) -> torch.Tensor:
+        if ctx is None:
+            raise ValueError(
+                "a 'context' head reads the decoder's states of earlier positions: call it with context=ContextInputs"
+                "(...) (hispec's decoder does; a caller that only has exit states cannot use this head)")
+        if list(ctx.layers) != self.context_layers:
+            raise ValueError(f"context states for layers {list(ctx.layers)}, this head reads {self.context_layers}")
+        B, T, H = hidden.shape
+        W, nh, dh = self.context["window"], self.context["heads"], self.context["head_dim"]
+        y = self.norm(hidden)
+        dev = hidden.device
+        pos = ctx.query_pos.to(dev)
+        idx = pos[..., None] - torch.arange(W, device=dev)  # [B, T, W]: p = t, t - 1, ..., t - W + 1
+        start = torch.zeros(B, dtype=torch.long, device=dev) if ctx.start is None else ctx.start.to(dev)
+        ok = idx >= start[:, None, None]
+        chosen = torch.zeros_like(ok)
+        chosen[..., 0] = True  # the query's own position: its own exit state at least (zero keys if none given)
+        S = ctx.states[0].shape[1]
+        gidx = idx.clamp(0, S - 1).reshape(B, T * W)
+        keys = hidden.new_zeros(B, T, W, H)
+        first = torch.zeros_like(ok)
+        first[..., 0] = True  # position t is pre-marked chosen but still takes the deepest state it has
+        # deepest kind first: each position takes the deepest state available to its query
+        for i in sorted(range(len(self.context_layers)), key=lambda i: -self.context_layers[i]):
+            avail = ctx.avail[i].to(dev)
+            if avail.dim() == 1:
+                avail = avail[:, None].expand(B, T)
+            take = ok & (~chosen | first) & (idx < avail[..., None])
+            if not bool(take.any()):
+                continue
+            st = ctx.states[i].gather(1, gidx[..., None].expand(-1, -1, H)).reshape(B, T, W, H)
+            st = self.ctx_norms[i](st.to(hidden.dtype)) + self.ctx_kind[i]
+            keys = torch.where(take[..., None], st, keys)
+            chosen |= take
+            first &= ~take
+        q = self.ctx_q(y).reshape(B, T, nh, dh)
+        k = self.ctx_k(keys).reshape(B, T, W, nh, dh)
+        v = self.ctx_v(keys).reshape(B, T, W, nh, dh)
+        att = torch.einsum("btnd,btwnd->btnw", q, k) / math.sqrt(dh) + self.ctx_rel.to(q.dtype)
+        att = att.masked_fill(~chosen[:, :, None, :], float("-inf"))
+        att = torch.softmax(att.float(), dim=-1).to(q.dtype)
+        o = torch.einsum("btnw,btwnd->btnd", att, v).reshape(B, T, nh * dh)
+        z = y + self.ctx_o(o)
+        return z + self.ctx_down(nn.functional.silu(self.ctx_up(z)))
+
+    def sequence_context(self, states: dict, distance, mid_distance=None, start=None) -> ContextInputs:
+        """`ContextInputs` for whole sequences (training, evaluation): `states` {layer: `[B, T, H]`} holds every
+        layer in `context_layers`; the query at t reads the final layer at positions <= t - distance (the frontier
+        the full model verified), a deeper exit (not its own) at positions <= t - mid_distance (default: none),
+        and its own exit up to t. `distance` / `mid_distance`: ints or `[B, T]` tensors (>= 1; draw them like
+        decoding produces them when training). `start` `[B]`: first real position of each row (left padding)."""
+        if self.context_layers is None:
+            raise ValueError(f"a {self.head_type!r} head reads no context")
+        own = self.context_layers[0]
+        x = states[own]
+        B, T = x.shape[:2]
+        pos = torch.arange(T, device=x.device).expand(B, T)
+
+        def upto(d):
+            if d is None:
+                return torch.zeros_like(pos)
+            d = torch.as_tensor(d, device=x.device)
+            if bool((d < 1).any()):
+                raise ValueError("frontier distances must be >= 1 (the position drafting from is never verified)")
+            return pos + 1 - d
+
+        final = max(self.context_layers)
+        avail = [pos + 1 if L == own else upto(distance) if L == final else upto(mid_distance)
+                 for L in self.context_layers]
+        return ContextInputs(states=[states[L] for L in self.context_layers], avail=avail, query_pos=pos,
+                             layers=list(self.context_layers), start=start)
 
     def run_layer_fresh(self, adapter, attention_mask: torch.Tensor | None = None):
         """`run_layer` for whole (left-padded) sequences without a decoder cache: training and evaluation."""
@@ -140,8 +291,10 @@ class ExitHead(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"head_type={self.head_type}" + (f", rank={self.rank}" if self.rank else "")
-                + (f", vocab={self.vocab_size}" if self.vocab is not None else ""))
+                + (f", vocab={self.vocab_size}" if self.vocab is not None else "")
+                + (f", context_layers={self.context_layers}, window={self.context['window']}"
+                   if self.context_layers else ""))
 
     def shape_info(self) -> dict:
         return {"head_type": self.head_type, "rank": self.rank, "vocab_size": self.vocab_size,
-                "layer_type": self.layer_type}
+                "layer_type": self.layer_type, "context_layers": self.context_layers, "context": self.context}

@@ -56,6 +56,13 @@ def validate_exits(draft_layer: int, verify_layer: int, num_layers: int) -> None
         )
 
 
+def context_layers_for(exits: dict[str, int], num_layers: int, mid: bool = False) -> dict[str, list[int]]:
+    """The layers each exit's `context` head reads: its own exit and the final layer (and, for the draft head with
+    `mid`, the verifier exit too)."""
+    d, v = exits["draft"], exits["verify"]
+    return {"draft": [d, v, num_layers] if mid else [d, num_layers], "verify": [v, num_layers]}
+
+
 @dataclass
 class HispecConfig:
     """What config.json's "hispec" key holds.
@@ -78,6 +85,9 @@ class HispecConfig:
     version: int = FORMAT_VERSION
     ngram: dict = field(default_factory=dict)  # NgramConfig fields for the n-gram level (empty: its defaults)
     calibration: dict | None = None  # hispec.latency.Calibration.to_dict(), or None
+    # `context` heads: their settings (hispec.heads.CONTEXT_DEFAULTS keys) and, per exit, the layers they read
+    context: dict | None = None
+    context_layers: dict | None = None  # {"draft": [4, 30], "verify": [8, 30]}
 
     @property
     def exits(self) -> dict[str, int]:
@@ -95,7 +105,9 @@ class HispecConfig:
             "version": FORMAT_VERSION,
             "exits": [{"name": n, "layer": layer, "vocab_size": getattr(self, f"{n}_vocab_size")}
                       for n, layer in self.exits.items()],
-            "head": {"type": self.head_type, "rank": self.head_rank, "shape": "residual-to-hidden"},
+            "head": {"type": self.head_type, "rank": self.head_rank, "shape": "residual-to-hidden",
+                     **({"context": dict(self.context or {}), "context_layers": dict(self.context_layers)}
+                        if self.head_type == "context" else {})},
             "decoding": {"gamma": self.gamma, "window": self.window},
             "base": dict(self.base),
         }
@@ -138,6 +150,9 @@ class HispecConfig:
                 version=version,
                 ngram=dict(dec.get("ngram") or {}),
                 calibration=d.get("calibration"),
+                context=d["head"].get("context"),
+                context_layers={k: [int(x) for x in v] for k, v in d["head"]["context_layers"].items()}
+                if d["head"].get("context_layers") else None,
             )
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"malformed 'hispec' config entry ({e!r}): {d}") from e
@@ -230,6 +245,14 @@ class EarlyExitModel(nn.Module):
             config.head_rank = min(64, self.adapter.hidden_size)
         rank = config.head_rank or 64
         exits = {"draft": config.draft_layer, "verify": config.verify_layer}
+        if config.head_type == "context":
+            config.context_layers = config.context_layers or context_layers_for(exits, self.adapter.num_layers)
+            for name, layer in exits.items():
+                got = config.context_layers.get(name)
+                if not got or layer not in got or any(not layer <= x <= self.adapter.num_layers for x in got):
+                    raise CheckpointError(
+                        f"{name} context head reads layers {got}: they must include its own exit {layer} and lie "
+                        f"in {layer}..{self.adapter.num_layers}")
         self.heads = nn.ModuleDict(
             {
                 name: ExitHead(
@@ -238,6 +261,8 @@ class EarlyExitModel(nn.Module):
                     layer=self.adapter.parts.layers[exits[name]] if config.head_type == "layer" else None,
                     layer_type=self.adapter.layer_types[exits[name]],
                     cache_index=self.adapter.num_layers + EXTRA_CACHE_INDEX[name],
+                    context_layers=config.context_layers[name] if config.head_type == "context" else None,
+                    context=config.context,
                 )
                 for name in EXITS
             }
@@ -300,19 +325,24 @@ class EarlyExitModel(nn.Module):
         setattr(self.hispec_config, f"{exit_name}_vocab_size", self.heads[exit_name].vocab_size)
 
     @property
+    def context_heads(self) -> bool:
+        """True when the heads read the decoder's states of earlier positions (`context` heads)."""
+        return any(h.needs_context for h in self.heads.values())
+
+    @property
     def stateful_heads(self) -> bool:
         """True when the heads keep their own KV (`layer` heads): decoding allocates extra cache layers."""
         return any(h.stateful for h in self.heads.values())
 
     def exit_logits(self, exit_name: str, hidden: torch.Tensor, vocab: torch.Tensor | None = None,
-                    run_layer=None) -> torch.Tensor:
+                    run_layer=None, context=None) -> torch.Tensor:
         """Hidden `[.., H]` at exit `exit_name` ('draft' / 'verify') -> logits `[.., V]`.
 
         With `vocab` given: logits over those ids only, `[.., len(vocab)]`. Otherwise a head with a reduced
         vocabulary projects onto its ids only and returns full-size logits with -inf elsewhere. A `layer` head
-        needs `run_layer` (see hispec.heads).
+        needs `run_layer`, a `context` head `context` (a `hispec.heads.ContextInputs`; see hispec.heads).
         """
-        return self.project_exit(exit_name, self.heads[exit_name](hidden, run_layer), vocab)
+        return self.project_exit(exit_name, self.heads[exit_name](hidden, run_layer, context), vocab)
 
     def project_exit(self, exit_name: str, feats: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Head features (the head's output) -> logits, honouring the head's reduced vocabulary."""
@@ -341,8 +371,13 @@ class EarlyExitModel(nn.Module):
         tokenizer=None,
         draft_vocab_size: int | None = None,
         verify_vocab_size: int | None = None,
+        context: dict | None = None,
+        context_mid: bool = False,
     ) -> EarlyExitModel:
         """Wrap a loaded model (or anything `load_base_model` accepts) with untrained heads.
+
+        `context` heads: `context` overrides `hispec.heads.CONTEXT_DEFAULTS` (window, heads, head_dim, mlp_mult);
+        `context_mid=True` lets the draft head also read the verifier exit's states of positions it verified.
 
         `draft_vocab_size` / `verify_vocab_size` restrict a head to that many tokens chosen by token id order
         (hispec.vocab; use `set_exit_vocab` with `hispec.vocab.vocab_for_model(..., files)` to count on data).
@@ -368,6 +403,11 @@ class EarlyExitModel(nn.Module):
             window=window,
             base=base_identity(base, revision),
         )
+        if head_type == "context":
+            config.context = dict(context or {})
+            config.context_layers = context_layers_for(config.exits, DecoderAdapter(base).num_layers, context_mid)
+        elif context or context_mid:
+            raise ValueError(f"context settings apply to head_type='context', not {head_type!r}")
         if not isinstance(model_or_path, nn.Module):
             local = Path(str(model_or_path)).expanduser()
             config.base["name_or_path"] = str(local.absolute()) if local.exists() else str(model_or_path)

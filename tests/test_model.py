@@ -49,14 +49,20 @@ def _exit_and_base_logits(model: EarlyExitModel, ids: torch.Tensor) -> dict[str,
     """Logits of both heads (at their exits) and of the base model itself for `ids` `[B, T]`."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     ad = model.adapter
-    _, saved = ad.forward_all(ids, pos, ad.new_cache(ids.shape[0]), exits=(model.draft_layer, model.verify_layer))
+    _, saved = ad.forward_all(ids, pos, ad.new_cache(ids.shape[0]),
+                              exits=(model.draft_layer, model.verify_layer, model.num_layers))
     def run(name):  # `layer` heads attend over the sequence: run them over it with a fresh cache
         head = model.heads[name]
         return head.run_layer_fresh(ad) if head.stateful else None
 
+    def ctx(name):  # `context` heads read earlier positions' deeper states: the full model verified up to t - 1
+        head = model.heads[name]
+        return head.sequence_context(saved, 1, 2) if head.needs_context else None
+
     return {
-        "draft": model.exit_logits("draft", saved[model.draft_layer], run_layer=run("draft")),
-        "verify": model.exit_logits("verify", saved[model.verify_layer], run_layer=run("verify")),
+        "draft": model.exit_logits("draft", saved[model.draft_layer], run_layer=run("draft"), context=ctx("draft")),
+        "verify": model.exit_logits("verify", saved[model.verify_layer], run_layer=run("verify"),
+                                    context=ctx("verify")),
         "base": model.base(input_ids=ids).logits,
     }
 
@@ -104,7 +110,8 @@ def test_heads_never_hold_a_vocab_sized_tensor_and_only_heads_train(head_type):
                                                                                 "intermediate_size", 0) or 0)
     for name, tensor in list(state.items()) + [(n, b) for n, b in model.heads.named_buffers()]:
         assert vocab not in tensor.shape, name
-        assert tensor.numel() <= hidden * (inter if head_type == "layer" else hidden), name
+        wide = {"layer": inter, "context": 2 * hidden}.get(head_type, hidden)  # a layer's / the context MLP's width
+        assert tensor.numel() <= hidden * wide, name
     lm_head = model.base.get_output_embeddings().weight
     assert all(p.data_ptr() != lm_head.data_ptr() for p in model.heads.parameters())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -117,6 +124,9 @@ def test_heads_never_hold_a_vocab_sized_tensor_and_only_heads_train(head_type):
         "lowrank": {"norm.weight", "norm.bias", "adapter.0.weight", "adapter.1.weight"},
         "layer": {"norm.weight", "norm.bias", "adapter.weight"}
         | {f"layer.{n}" for n, _ in model.adapter.parts.layers[0].named_parameters()},
+        "context": {"norm.weight", "norm.bias", "ctx_kind", "ctx_rel", "ctx_q.weight", "ctx_k.weight", "ctx_v.weight",
+                    "ctx_o.weight", "ctx_up.weight", "ctx_down.weight"}
+        | {f"ctx_norms.{i}.{n}" for i in range(2) for n in ("weight", "bias")},
     }[head_type]
     for exit_name in ("draft", "verify"):
         assert {k.partition(".")[2] for k in state if k.startswith(exit_name + ".")} == expected
@@ -454,7 +464,7 @@ def test_demo_model_from_base_save_load_round_trips_exactly(demo_model_dir, tmp_
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_demo_gguf_file_wraps_like_the_converted_folder(demo_model_dir):
-    gguf_files = sorted((demo_model_dir.parent / "_downloads").glob("*.gguf"))
+    gguf_files = sorted((demo_model_dir.parent / "_downloads").glob(f"{demo_model_dir.name}*.gguf"))
     if not gguf_files:
         pytest.skip("no .gguf file in the demo model's _downloads folder")
     pytest.importorskip("gguf")
