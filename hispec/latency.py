@@ -599,9 +599,19 @@ class KVBench:
             return ad.run_module(module, head.layer_type, hidden, cache_index=head.cache_index, position_ids=pos,
                                  cache=self.cache, valid=valid)
 
+        ctx = None
+        if head.needs_context:  # its window of states: the cost depends on the window, not on the context length
+            from .heads import ContextInputs
+
+            S = self.context + T
+            states = [torch.randn(1, S, ad.hidden_size, generator=self.gen).to(ad.device, ad.dtype)
+                      for _ in head.context_layers]
+            avail = [pos[:, -1] + 1 if L == head.context_layers[0] else pos[:, 0] for L in head.context_layers]
+            ctx = ContextInputs(states=states, avail=avail, query_pos=pos, layers=list(head.context_layers))
+
         def run():
             with torch.no_grad():
-                model.exit_logits(exit_name, x, run_layer=run_layer if head.stateful else None)
+                model.exit_logits(exit_name, x, run_layer=run_layer if head.stateful else None, context=ctx)
             if head.stateful:
                 self.cache.truncate(head.cache_index, head.cache_index + 1, self.keep)
 
@@ -653,6 +663,33 @@ def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: i
             "head": {level_name(layer): nondecreasing({T: t[(name, T)] for T in rows})
                      for name, layer in exits.items()},
             "final": nondecreasing({T: t[("final", T)] for T in rows})}
+
+
+def _calibration_contexts(model, name: str, states: dict, T: int, gen: torch.Generator) -> dict:
+    """Teacher-forced inputs of exit `name`'s context head, one per level that verifies it ({upper level: ctx}).
+
+    The latency model takes one acceptance rate per pair of levels, while a context head's agreement falls with
+    the distance d to the last position the full model verified. Each pair is measured under the distances its
+    hierarchy produces at the checkpoint's gamma g and window N, drawn uniformly per position: the draft under
+    the full model (self-spec) d in 1..g; under the verifier exit d in 1..N*g (reading the verifier's states of
+    the last d' in 1..min(d, g) positions, if the head reads that exit); the verifier exit under the full model
+    d in 1..N*g. The rate is then the mean over those distances, an approximation (per-position rates would need
+    the latency model to take a rate per draft position)."""
+    cfg = model.hispec_config
+    g, N = max(1, int(cfg.gamma)), max(1, int(cfg.window))
+    head = model.heads[name]
+    v_layer = model.verify_layer
+
+    def uniform(hi):
+        return torch.randint(1, hi + 1, (1, T), generator=gen).to(model.device)
+
+    if name == "verify":
+        return {FULL: head.sequence_context(states, uniform(N * g))}
+    out = {FULL: head.sequence_context(states, uniform(g))}
+    d = uniform(N * g)
+    mid = torch.minimum(uniform(g), d) if v_layer in head.context_layers else None
+    out[level_name(v_layer)] = head.sequence_context(states, d, mid)
+    return out
 
 
 def _prompt_ids(model, prompt) -> list[int]:
@@ -748,6 +785,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     positions = 0
     lookups = []
     bounds = sorted({0, L, *exits.values()})
+    draw = torch.Generator().manual_seed(0)  # frontier distances of context heads (reproducible)
     for ids, ans in tqdm(list(zip(ids_list, answers)), desc="calibration: acceptance", disable=not progress,
                          file=sys.stderr):
         P, N = len(ids), len(ans)
@@ -756,21 +794,27 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
         seq = torch.tensor([ids + ans], device=dev)
         pos = torch.arange(P + N, device=dev)[None]
         cache = ad.new_cache(1)
-        arg = {}
+        arg, states = {}, {}
         with torch.no_grad():
             h = ad.embed(seq, pos)
             for a, b in zip(bounds[:-1], bounds[1:]):
                 h = ad.run_layers(h, a, b, position_ids=pos, cache=cache)
-                for name, layer in exits.items():
-                    if layer == b:
-                        head = model.heads[name]
-                        run_layer = head.run_layer_fresh(ad) if head.stateful else None
-                        feats = head(h, run_layer)[:, P: P + N - 1]  # positions predicting answer tokens 1..N-1
-                        arg[level_name(layer)] = model.project_exit(name, feats)[0].argmax(-1).tolist()
+                states[b] = h
             arg[FULL] = ad.final_logits(h[:, P: P + N - 1])[0].argmax(-1).tolist()
+            for name, layer in exits.items():
+                head = model.heads[name]
+                if head.needs_context:  # its agreement under the frontier distances decoding gives it
+                    for below, ctx in _calibration_contexts(model, name, states, P + N, draw).items():
+                        feats = head(states[layer], context=ctx)[:, P: P + N - 1]
+                        arg[(level_name(layer), below)] = model.project_exit(name, feats)[0].argmax(-1).tolist()
+                    arg[level_name(layer)] = arg[(level_name(layer), FULL)]
+                    continue
+                run_layer = head.run_layer_fresh(ad) if head.stateful else None
+                feats = head(states[layer], run_layer)[:, P: P + N - 1]  # positions predicting answer tokens 1..N-1
+                arg[level_name(layer)] = model.project_exit(name, feats)[0].argmax(-1).tolist()
         for key, c in agree.items():
             lo, hi = key.split(">")
-            c[0] += sum(x == y for x, y in zip(arg[lo], arg[hi]))
+            c[0] += sum(x == y for x, y in zip(arg.get((lo, hi), arg[lo]), arg[hi]))
             c[1] += N - 1
         positions += N - 1
         for lv in levels:

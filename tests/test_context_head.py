@@ -186,3 +186,20 @@ def test_bad_context_settings_are_refused_before_any_work():
                                     context_layers={"draft": [3, 9], "verify": [4, 9]})
     with pytest.raises(CheckpointError, match="own exit 2"):
         hispec.EarlyExitModel(base, cfg)
+
+
+def test_the_latency_model_calibrates_context_heads_and_auto_stays_lossless():
+    from hispec import latency
+
+    model = _context_model("llama", mid=True)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(3, 97, (6,), generator=g).tolist()
+    prompts = [base * 3, torch.randint(3, 97, (14,), generator=g).tolist()]
+    cal = latency.calibrate(model, prompts, max_new_tokens=12, repeats=1)
+    assert set(cal.acceptance) >= {"L2>L4", "L2>full", "L4>full", "ngram>full"}
+    assert all(0.0 <= a <= 1.0 for a in cal.acceptance.values())
+    assert all(t > 0 for h in cal.costs["head"].values() for t in h.values())
+    model.hispec_config.calibration = cal.to_dict()
+    ids, am = _ragged(3, 8, seed=6)
+    out = model.generate(ids, am, max_new_tokens=14, strategy="auto")
+    assert torch.equal(out.sequences, _hf_greedy(model.base, ids, am, 14))
