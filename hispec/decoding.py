@@ -549,28 +549,32 @@ class _Run:
         self.verify(k, active)
 
     def commit(self) -> bool:
-        """Hand over committed tokens, finish rows (EOS, length, stop strings); returns True while rows remain."""
+        """Hand over newly committed tokens, finish rows (EOS, length, stop strings); returns True while rows
+        remain. Linear in the output: each round reads, scans and streams only the tokens it committed."""
         committed = self.ver[self.K] if self.K else self.seq
         stop = self._stop_pos()
-        finished = committed >= torch.minimum(stop, self.limit)
+        finished = (committed >= torch.minimum(stop, self.limit)).tolist()
         keep = []
         eos_ids = set(self.eos.tolist())
-        for b in range(len(committed)):
-            rid = int(self.orig[b])
-            toks = self.tok[b, int(self.prompt_len[b]) : int(committed[b])].tolist()
-            if eos_ids:
-                cut = next((i for i, t in enumerate(toks) if t in eos_ids), None)
-                if cut is not None:
-                    toks, finished[b] = toks[: cut + 1], True
-            if self.stop_check is not None:
-                cut = self.stop_check(toks)
-                if cut is not None:
-                    toks, finished[b] = toks[:cut], True
-            if self.streamer is not None:
-                prev = len(self.results.get(rid, []))
-                if len(toks) > prev:
+        ends = (committed - self.prompt_len).tolist()
+        for b, rid in enumerate(self.orig.tolist()):
+            toks = self.results.setdefault(rid, [])
+            prev = len(toks)
+            if ends[b] > prev:
+                p0 = int(self.prompt_len[b])
+                toks.extend(self.tok[b, p0 + prev : p0 + ends[b]].tolist())
+                if eos_ids:
+                    cut = next((i for i in range(prev, len(toks)) if toks[i] in eos_ids), None)
+                    if cut is not None:
+                        del toks[cut + 1 :]
+                        finished[b] = True
+                if self.stop_check is not None:
+                    cut = self.stop_check(toks, prev)
+                    if cut is not None:
+                        del toks[cut:]
+                        finished[b] = True
+                if self.streamer is not None and len(toks) > prev:
                     self.streamer.put(torch.tensor(toks[prev:]))
-            self.results[rid] = toks
             if not finished[b]:
                 keep.append(b)
         if len(keep) < len(committed):
@@ -748,13 +752,21 @@ def _stop_checker(stop_strings, tokenizer):
     if tokenizer is None:
         raise ValueError("stop_strings need a tokenizer: pass tokenizer=... or load the model with one")
     stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+    # A stop string of c characters spans at most c tokens that decode to text (plus a few for tokens that decode
+    # to nothing, e.g. parts of a multi-byte character): decoding that far back before the new tokens suffices.
+    back = 2 * max(len(s) for s in stops) + 8
 
-    def check(toks: list[int]):
-        text = tokenizer.decode(toks, skip_special_tokens=False)
-        if not any(s in text for s in stops):
+    def check(toks: list[int], new_from: int = 0):
+        """The length to cut `toks` to (just after the first token that completes a stop string), or None; tokens
+        before `new_from` were checked already."""
+        lo = max(0, new_from - back)
+        decode = lambda i: tokenizer.decode(toks[lo:i], skip_special_tokens=False)  # noqa: E731
+        if not any(s in decode(len(toks)) for s in stops):
             return None
-        for i in range(1, len(toks) + 1):  # the first token that completes a stop string
-            if any(s in tokenizer.decode(toks[:i], skip_special_tokens=False) for s in stops):
+        for i in range(max(new_from, lo) + 1, len(toks) + 1):  # the first token that completes a stop string
+            if any(s in decode(i) for s in stops):
                 return i
         return len(toks)
 

@@ -195,6 +195,34 @@ def test_stop_strings_end_the_row_after_the_completing_token():
         assert out.new_tokens[0] == free[: len(out.new_tokens[0])]
 
 
+class _CountingCharTokenizer(_CharTokenizer):
+    def __init__(self):
+        self.decoded = []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.decoded.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("strategy", ["ar", "hispec", "ngram-hispec"])
+def test_commit_reads_only_new_tokens_so_long_outputs_stay_linear(strategy):
+    """Stop strings spanning round boundaries are found at the same token as a scan of the whole text would, while
+    each round decodes only a bounded window behind its new tokens (the old scan decoded everything every round)."""
+    model = _wrap(tiny_model("llama"))
+    ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    n = 120
+    free = model.generate(ids, max_new_tokens=n, strategy="ar").new_tokens
+    stop = _CharTokenizer().decode(free[0][100:103])
+    tok = _CountingCharTokenizer()
+    out = model.generate(ids, max_new_tokens=n, strategy=strategy, stop_strings=[stop], tokenizer=tok, gamma=3)
+    for b in range(2):
+        text = _CharTokenizer().decode(free[b])
+        first = text.find(stop)
+        want = free[b][: first + len(stop)] if first >= 0 else free[b]
+        assert out.new_tokens[b] == want
+    assert max(tok.decoded) <= 2 * len(stop) + 8 + 2 * 8 + 2  # the window behind new tokens, plus one round's
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
