@@ -1,6 +1,8 @@
 """Feature cache (train/features.py) on a tiny random model: shard contents equal the backbone's own exit states
 and final-layer top-k, batching does not change them, resume after a kill equals a straight build, a cache made
-for other data / layers is refused, the manifest comes last, and the reader / collator rebuild the sequences."""
+for other data / missing layers is refused (one holding more layers is reused, also while resuming), the manifest
+comes last, the reader / collator rebuild the sequences, and the final layer's raw residual (what context heads
+read) is stored as hidden.<num_layers>."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from train.features import (
     CachedSequences,
     FeatureCacheError,
     build_feature_cache,
+    check_cache_layers,
     model_identity,
     open_feature_cache,
 )
@@ -155,6 +158,55 @@ def test_cache_for_other_data_or_settings_is_refused_and_a_match_reused(adapter,
             build_feature_cache(adapter, seqs, tmp_path / "bad", **{"k": 3, "show_progress": False, **bad})
     with pytest.raises(FeatureCacheError, match="no sequences"):
         build_feature_cache(adapter, [], tmp_path / "bad", layers=(2,), show_progress=False)
+
+
+def test_a_cache_with_more_layers_serves_fewer_and_the_final_residual_is_stored(adapter, tmp_path):
+    """Layers (2, 4, 6 = num_layers) once: a run asking for (2, 4) reuses it as is; hidden.6 is the raw residual
+    after the last layer (before the final norm), as `exit_states` saves it."""
+    from train.losses import exit_states
+
+    seqs = _sequences(5, seed=5)
+    folder = tmp_path / "c"
+    man = build_feature_cache(adapter, seqs, folder, layers=(2, 4, 6), k=3, show_progress=False)
+    stamp = (folder / MANIFEST).stat().st_mtime_ns
+    assert build_feature_cache(adapter, seqs, folder, layers=(2, 4), k=3, show_progress=False) == man
+    assert (folder / MANIFEST).stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert check_cache_layers(folder, (2, 4)) == [2, 4, 6] and check_cache_layers(tmp_path / "none", (2,)) is None
+    ds = CachedSequences(folder, layers=(2, 6))
+    item = ds[0]
+    ids = torch.tensor([seqs[0]["input_ids"]])
+    with torch.no_grad():
+        saved, final = exit_states(adapter, ids, torch.arange(ids.shape[1])[None], torch.ones_like(ids).bool(), (6,))
+    torch.testing.assert_close(item["hidden.6"].float(), saved[6][0], rtol=1e-2, atol=1e-2)  # bf16
+    assert not torch.allclose(saved[6], final)  # the raw residual, not the normed features
+    with pytest.raises(FeatureCacheError, match=r"not hidden\.5 \(who\); rebuild it"):
+        check_cache_layers(folder, (2, 5), need="who")
+
+
+def test_resuming_a_partly_built_cache_of_more_layers_builds_all_of_them(adapter, tmp_path, monkeypatch):
+    import train.features as tf
+
+    seqs = _sequences(9, seed=6)
+    kw = dict(k=3, shard_tokens=16, show_progress=False)
+
+    def kill_after_0(i):
+        if i == 0:
+            raise _Killed
+
+    monkeypatch.setattr(tf, "_shard_hook", kill_after_0)
+    with pytest.raises(_Killed):
+        build_feature_cache(adapter, seqs, tmp_path / "c", layers=(2, 4, 6), **kw)
+    monkeypatch.undo()
+    assert check_cache_layers(tmp_path / "c", (2, 6)) == [2, 4, 6]  # a partly built cache is checked too
+    with pytest.raises(FeatureCacheError, match=r"not hidden\.3"):
+        check_cache_layers(tmp_path / "c", (2, 3))
+    man = build_feature_cache(adapter, seqs, tmp_path / "c", layers=(2, 4), **kw)  # a linear run resumes it
+    assert man["layers"] == [2, 4, 6]
+    straight = build_feature_cache(adapter, seqs, tmp_path / "s", layers=(2, 4, 6), **kw)
+    assert man["fingerprint"] == straight["fingerprint"]
+    for name in _shards(tmp_path / "s"):
+        x, y = load_file(str(tmp_path / "c" / name)), load_file(str(tmp_path / "s" / name))
+        assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_reader_and_collator_rebuild_sequences(adapter, tmp_path):

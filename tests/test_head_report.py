@@ -56,7 +56,7 @@ def test_report_refuses_incomparable_or_bad_input(tmp_path, capsys):
     (tmp_path / "probe.json").write_text(json.dumps({"mode": "probe"}))
     cases = [
         (["--run", "a", str(a), "--run", "o", str(other)], "different held-out answers"),
-        (["--run", "p", str(tmp_path / "probe.json")], "not an `hispec-probe --eval-heads"),
+        (["--run", "p", str(tmp_path / "probe.json")], "neither an `hispec-probe --eval-heads"),
         (["--run", "m", str(tmp_path / "missing.json")], "does not exist"),
         (["--run", "a", str(a), str(tmp_path / "no-train-dir")], "training record"),
         (["--run", "a", str(a), "--train-tokens", "a", "5"], "no --run with that label and a TRAIN_DIR"),

@@ -275,3 +275,19 @@ def test_topk_loss_ce_is_cross_entropy():
     g1 = torch.autograd.grad(out.loss, students["draft"])[0]
     g2 = torch.autograd.grad(ref, students["draft"])[0]
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_top5_agreement_is_the_final_argmax_within_the_heads_top5_in_both_losses(chunk):
+    project, teacher, students, labels = _problem()
+    t_arg = project(teacher).argmax(-1)
+    ids, logp = _topk_teacher(project, teacher, 8)
+    full = distill_loss(project, teacher, students, labels, per_token=True, topk_agree=5, chunk_size=chunk)
+    top = topk_distill_loss(project, students, ids, logp, labels, per_token=True, topk_agree=5, chunk_size=chunk)
+    plain = distill_loss(project, teacher, students, labels, per_token=True)
+    assert plain.topk_tokens is None  # only when asked for
+    for name, s in students.items():
+        ref = (project(s).topk(5, -1).indices == t_arg[:, None]).any(-1).float()
+        assert torch.equal(full.topk_tokens[name], ref) and torch.equal(top.topk_tokens[name], ref)
+        assert (full.topk_tokens[name] >= full.agree_tokens[name]).all()  # top-1 implies top-5
+        torch.testing.assert_close(full.loss, plain.loss)  # the loss itself is unchanged

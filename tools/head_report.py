@@ -10,10 +10,18 @@ Each `--run LABEL EVAL_JSON [TRAIN_DIR]` names one `hispec-probe --model CKPT --
 result (all runs should be measured on the same held-out answers: same --eval-data / --max-eval-prompts /
 --max-new-tokens, which this tool checks through the scored-token count) and, optionally, the `train/heads.py`
 output folder the checkpoint was exported from (its `hispec_train.json` gives the head type, training tokens,
-steps and training time). Prints a table per run (draft / verifier top-1 and top-5 agreement with the final layer's
-argmax, expected tokens per full pass, the hierarchy figure "verifier agrees with the draft"), a per-category table
-of draft / verifier top-1, and ends with one JSON line. `--plot` renders agreement vs training tokens (log scale,
-one marker per head type) and per-category agreement of every run.
+steps and training time). EVAL_JSON may also be a training run's own `metrics.json` (or the run folder holding
+it; its `hispec_train.json` is then read too): its final held-out evaluation, which is how `context` heads are
+measured (they read the final layer's states of verified positions, so agreement depends on the distance d to the
+verified frontier: `train/heads.py` evaluates d = 1..4). Runs of one report must come from the same held-out tokens
+(the same data settings), so compare metrics.json runs with each other and probe results with each other.
+
+Prints one table (draft / verifier top-1 and top-5 agreement with the final layer's argmax, expected tokens per
+full pass, the hierarchy figure "verifier agrees with the draft"; where a run has per-distance numbers, each
+agreement cell reads `d=1 / d=2 / d=3 / d=4` and distance-independent heads show one number), a per-category table
+of draft / verifier top-1 (probe results), and ends with one JSON line. `--plot` renders agreement vs training
+tokens (log scale, one marker per head type), agreement vs frontier distance when a run has it (flat lines for
+heads that do not read the context), and per-category agreement of every run.
 """
 
 from __future__ import annotations
@@ -56,10 +64,47 @@ def train_info(train_dir: str | Path) -> dict:
             "lora_rank": args.get("head_lora_rank") or None, "sources": data.get("sources")}
 
 
+def _metrics_run(label: str, path: Path, m: dict, train_dir) -> dict:
+    """A train/heads.py metrics.json (its final evaluation) as a run of this report."""
+    final = m.get("final")
+    if not isinstance(final, dict) or not all(isinstance(final.get(k), dict) for k in ("draft", "verify")):
+        raise ReportError(f"{path} has no final evaluation (the run had no held-out data, or did not finish)")
+    if train_dir is None and (path.parent / "hispec_train.json").is_file():
+        train_dir = path.parent
+    train = train_info(train_dir) if train_dir is not None else None
+    exits = [final[k] for k in ("draft", "verify")]
+    hispec_exits = {}
+    if train_dir is not None:
+        h = _load_json(Path(train_dir) / "hispec_train.json", "training record").get("hispec", {})
+        if isinstance(h.get("exits"), list):
+            hispec_exits = {e.get("name"): e for e in h["exits"]}
+    ht = [e.get("head_type") or (train or {}).get("head_type") or "?" for e in exits]
+    dv = final.get("draft_verify")
+    run = {"label": label, "eval": str(path), "source": "metrics.json",
+           "layers": [e.get("layer") for e in exits], "head_types": ht,
+           "vocab_sizes": [e.get("vocab_size", hispec_exits.get(k, {}).get("vocab_size"))
+                           for k, e in zip(("draft", "verify"), exits)],
+           "top1": [e["top1_agreement"] for e in exits], "top5": [e.get("top5_agreement") for e in exits],
+           "tokens_per_pass": [e.get("expected_tokens_per_round") for e in exits], "gamma": final.get("gamma"),
+           "verify_agrees_draft": dv.get("top1_agreement") if isinstance(dv, dict) else None,
+           "eval_tokens": final.get("eval_tokens"), "categories": {}, "train": train}
+    for kind, key in (("by_distance", "by_distance"), ("by_distance_mid1", "by_distance_mid1")):
+        if any(kind in e for e in exits):
+            run[key] = {name: {d: [v["top1_agreement"], v.get("top5_agreement")] for d, v in e[kind].items()}
+                        for name, e in zip(("draft", "verify"), exits) if kind in e}
+    return run
+
+
 def load_run(label: str, eval_json: str | Path, train_dir: str | Path | None = None) -> dict:
-    r = _load_json(eval_json, "eval result")
+    path = Path(eval_json)
+    if path.is_dir():
+        path = path / "metrics.json"
+    r = _load_json(path, "eval result")
+    if "final" in r and "history" in r:
+        return _metrics_run(label, path, r, train_dir)
     if r.get("mode") != "eval-heads":
-        raise ReportError(f"{eval_json} is not an `hispec-probe --eval-heads --json-out` result")
+        raise ReportError(f"{eval_json} is neither an `hispec-probe --eval-heads --json-out` result nor a "
+                          "train/heads.py metrics.json")
     run = {"label": label, "eval": str(eval_json), "layers": r["layers"], "head_types": r["head_types"],
            "vocab_sizes": r["vocab_sizes"], "top1": r["top1"], "top5": r["top5"],
            "tokens_per_pass": r["tokens_per_pass"], "gamma": r["gamma"],
@@ -83,18 +128,48 @@ def _f(v, fmt="{:.3f}"):
     return "-" if v is None else fmt.format(v)
 
 
+def _vocab(v) -> str:
+    return "full" if v is None else f"{v:,}"
+
+
+def distances(runs: list[dict]) -> list[str]:
+    """The frontier distances any run was evaluated at (as strings, sorted numerically)."""
+    ds = {d for r in runs for by in (r.get("by_distance") or {}).values() for d in by}
+    return sorted(ds, key=int)
+
+
+def _cell(r: dict, j: int, which: int, ds: list[str], kind: str = "by_distance") -> str:
+    """One agreement cell: `d=1 / d=2 / ...` for a run evaluated per distance, else its one number."""
+    name = ("draft", "verify")[j]
+    by = (r.get(kind) or {}).get(name)
+    if by and ds:
+        return " / ".join(_f(by[d][which]) if d in by else "-" for d in ds)
+    if kind != "by_distance":
+        return "-"
+    return _f((r["top1"], r["top5"])[which][j])
+
+
 def format_tables(runs: list[dict]) -> str:
-    head = ("| run | head type | training tokens | steps | train min | vocab (draft / verify) | draft top-1 | "
-            "verify top-1 | draft top-5 | verify top-5 | tok / pass (draft, γ) | verify = draft |")
+    ds = distances(runs)
+    per_d = f" (d={'/'.join(ds)})" if ds else ""
+    mid = any(r.get("by_distance_mid1") for r in runs)
+    head = (f"| run | head type | training tokens | steps | train min | vocab (draft / verify) | draft top-1{per_d} | "
+            f"verify top-1{per_d} | draft top-5{per_d} | verify top-5{per_d} | "
+            + (f"draft top-1, mid 1{per_d} | " if mid else "") + "tok / pass (draft, γ) | verify = draft |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         t = r["train"] or {}
         ht = r["head_types"][0] + (f" + LoRA r{t['lora_rank']}" if t.get("lora_rank") else "")
         lines.append(
             f"| {r['label']} | {ht} | {_f(t.get('train_tokens'), '{:,}')} | {_f(t.get('steps'), '{}')} | "
-            f"{_f(t.get('train_minutes'), '{}')} | {r['vocab_sizes'][0]:,} / {r['vocab_sizes'][1]:,} | "
-            f"{r['top1'][0]:.3f} | {r['top1'][1]:.3f} | {r['top5'][0]:.3f} | {r['top5'][1]:.3f} | "
-            f"{r['tokens_per_pass'][0]:.2f} (γ{r['gamma']}) | {_f(r['verify_agrees_draft'])} |")
+            f"{_f(t.get('train_minutes'), '{}')} | {_vocab(r['vocab_sizes'][0])} / {_vocab(r['vocab_sizes'][1])} | "
+            f"{_cell(r, 0, 0, ds)} | {_cell(r, 1, 0, ds)} | {_cell(r, 0, 1, ds)} | {_cell(r, 1, 1, ds)} | "
+            + (f"{_cell(r, 0, 0, ds, 'by_distance_mid1')} | " if mid else "")
+            + f"{_f(r['tokens_per_pass'][0], '{:.2f}')} (γ{r['gamma']}) | {_f(r['verify_agrees_draft'])} |")
+    if ds:
+        lines += ["", f"d: distance to the verified frontier (final-layer states of positions <= t - d are read); a "
+                      f"single number: a head that reads no context. Context heads' tok / pass uses their agreement "
+                      f"at distances drawn as in training."]
     cats = sorted({c for r in runs for c in r["categories"]})
     if cats:
         lines += ["", "top-1 agreement by Spec-Bench category (draft / verify)", "",
@@ -114,10 +189,13 @@ def plot(runs: list[dict], path: str | Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 4.8), dpi=120)
+    ds = distances(runs)
+    cats = sorted({c for r in runs for c in r["categories"]})
+    panels = 1 + bool(ds) + bool(cats or not ds)
+    fig = Figure(figsize=(6.5 * panels, 4.8), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 2, 1)
-    markers = {"linear": "o", "layer": "s", "lowrank": "^", "norm": "v", "shared": "x"}
+    ax = fig.add_subplot(1, panels, 1)
+    markers = {"linear": "o", "layer": "s", "lowrank": "^", "norm": "v", "shared": "x", "context": "D"}
     for j, exit_name in enumerate(("draft", "verify")):
         pts = [(r["train"]["train_tokens"], r["top1"][j], r["head_types"][j], r["label"]) for r in runs
                if r["train"] and r["train"].get("train_tokens")]
@@ -135,9 +213,36 @@ def plot(runs: list[dict], path: str | Path) -> Path:
     ax.set_ylim(0, max(0.5, max(max(r["top1"]) for r in runs) + 0.1))
     ax.grid(alpha=0.3)
     ax.set_title("agreement vs training data (dotted: untrained)", fontsize=9)
-    ax.legend(fontsize=7)
-    ax2 = fig.add_subplot(1, 2, 2)
-    cats = sorted({c for r in runs for c in r["categories"]})
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    if ds:  # agreement vs distance to the verified frontier: context heads rise towards d=1, others stay flat
+        axd = fig.add_subplot(1, panels, 2)
+        xs = [int(d) for d in ds]
+        for k, r in enumerate(runs):
+            for j, exit_name in enumerate(("draft", "verify")):
+                by = (r.get("by_distance") or {}).get(exit_name)
+                ys = [by[d][0] if d in by else math.nan for d in ds] if by else [r["top1"][j]] * len(xs)
+                axd.plot(xs, ys, marker=markers.get(r["head_types"][j], "o"), color=f"C{k}",
+                         fillstyle="full" if j == 0 else "none", linestyle="-" if j == 0 else "--",
+                         label=f"{r['label']} {exit_name} L{r['layers'][j]}")
+            mid = (r.get("by_distance_mid1") or {}).get("draft")
+            if mid:
+                axd.plot(xs, [mid[d][0] if d in mid else math.nan for d in ds], marker="*", color=f"C{k}",
+                         linestyle=":", label=f"{r['label']} draft, verifier states at distance 1")
+        axd.set_xticks(xs)
+        axd.set_xlabel("distance d to the verified frontier (final-layer states read up to t - d)")
+        axd.set_ylabel("held-out top-1 agreement with the final layer")
+        axd.set_ylim(0, 1)
+        axd.grid(alpha=0.3)
+        axd.set_title("agreement vs frontier distance (solid: draft, dashed: verifier)", fontsize=9)
+        axd.legend(fontsize=6)
+    if not (cats or not ds):
+        fig.tight_layout()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(str(out))
+        return out
+    ax2 = fig.add_subplot(1, panels, panels)
     width = 0.8 / max(1, len(runs))
     for k, r in enumerate(runs):
         xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(cats))]
@@ -186,11 +291,16 @@ def main(argv=None) -> int:
         print(f"plot: {report['plot']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
-    summary = {"runs": [{"label": r["label"], "head_type": r["head_types"][0],
-                         "train_tokens": (r["train"] or {}).get("train_tokens"),
-                         "draft_top1": round(r["top1"][0], 4), "verify_top1": round(r["top1"][1], 4),
-                         "tokens_per_pass": round(r["tokens_per_pass"][0], 3)} for r in runs],
-               "eval_tokens": runs[0]["eval_tokens"]}
+    def line(r):
+        out = {"label": r["label"], "head_type": r["head_types"][0],
+               "train_tokens": (r["train"] or {}).get("train_tokens"),
+               "draft_top1": round(r["top1"][0], 4), "verify_top1": round(r["top1"][1], 4),
+               "tokens_per_pass": round(r["tokens_per_pass"][0], 3)}
+        for name, by in (r.get("by_distance") or {}).items():
+            out[f"{name}_top1_by_distance"] = {d: round(v[0], 4) for d, v in by.items()}
+        return out
+
+    summary = {"runs": [line(r) for r in runs], "eval_tokens": runs[0]["eval_tokens"]}
     print(json.dumps(summary))
     return 0
 

@@ -14,7 +14,9 @@ Each shard holds, for its S sequences of N tokens in total (concatenated, no pad
     loss_mask             [N]     bool    positions whose next-token distribution trains the heads
     hidden.<layer>        [N, H]  bf16    residual stream after `layer` decoder layers, for each exit layer: the
                                           same tensor `hispec.layers.DecoderAdapter.run_layers` hands an exit
-                                          head during decoding (and `train.losses.exit_states` during training)
+                                          head during decoding (and `train.losses.exit_states` during training);
+                                          `hidden.<num_layers>` is the final layer's raw residual (before the final
+                                          norm), which `context` heads read for verified positions
     teacher_topk_ids      [N, k]  int32   the final layer's k most likely next tokens, descending
     teacher_topk_logprobs [N, k]  fp32    their log-probabilities (final-layer log-softmax, temperature 1)
 Every position is stored (also those outside the loss mask), teacher included.
@@ -25,8 +27,13 @@ Contract:
   `write_manifest(out_dir)` on one rank after all have built theirs. `sequences`: rows `{"input_ids": [int],
   "loss_mask": [bool]}` (a list or a `datasets.Dataset`). Resumable: existing shards whose fingerprint matches
   the plan are kept, missing ones built. A folder whose plan or manifest was made from other data, another
-  model, other layers, k or dtype raises `FeatureCacheError` (nothing is overwritten); a complete cache that
-  matches is returned as is. Bad arguments raise `FeatureCacheError` before any work.
+  model, k or dtype, or without one of the requested layers, raises `FeatureCacheError` (nothing is overwritten);
+  a complete cache that matches is returned as is. Layers: a cache holding MORE layers than asked for fits (one
+  cache built with the final layer's states serves linear and context heads alike; resuming a partly built one
+  keeps building all of its planned layers). Bad arguments raise `FeatureCacheError` before any work.
+- `check_cache_layers(out_dir, layers, need=...)` -> the cached layers of a folder's plan or manifest, or None when
+  nothing is there yet; a cache lacking one of `layers` raises `FeatureCacheError` naming the missing
+  `hidden.<layer>` and how to rebuild (callers check this before any expensive work).
 - `open_feature_cache(out_dir)` -> the manifest of a complete cache (FeatureCacheError otherwise).
 - `CachedSequences(out_dir, layers)` is a torch `Dataset` of sequences read lazily (memory-mapped) from the
   shards; `CachedCollator()` concatenates a batch into flat `[N, ...]` tensors plus `labels` (next token within
@@ -153,12 +160,14 @@ def _spec(identity: dict, layers, k: int, hidden_dtype: str, hidden_size: int, v
 
 
 def _same_spec(a: dict, b: dict) -> list[str]:
-    """Differences that make a cache unusable for spec b (the model name/path may differ)."""
+    """Differences that make cache a unusable for spec b (the model name/path may differ; a may hold more layers)."""
     diffs = []
-    for key in ("format", "version", "layers", "k", "hidden_dtype", "hidden_size", "vocab_size",
-                "teacher_temperature"):
+    for key in ("format", "version", "k", "hidden_dtype", "hidden_size", "vocab_size", "teacher_temperature"):
         if a.get(key) != b.get(key):
             diffs.append(f"{key} {a.get(key)!r} != {b.get(key)!r}")
+    missing = sorted(set(b.get("layers") or []) - set(a.get("layers") or []))
+    if missing:
+        diffs.append(f"layers {a.get('layers')!r} lack {missing} ({', '.join(f'hidden.{x}' for x in missing)})")
     ma, mb = a.get("model", {}), b.get("model", {})
     for key in _IDENTITY_KEYS:
         if ma.get(key) != mb.get(key):
@@ -281,6 +290,13 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
     plan = {**spec, **make_plan(rows, shard_tokens), "shard_tokens": shard_tokens}
 
     manifest_path = out_dir / MANIFEST
+    plan_path = out_dir / PLAN
+    if not manifest_path.is_file() and plan_path.is_file():
+        planned = json.loads(plan_path.read_text()).get("layers") or []
+        if set(layers) < set(planned):  # resume a partly built cache of more layers: build all of them
+            layers = sorted(int(x) for x in planned)
+            spec = _spec(identity, layers, k, hidden_dtype, adapter.hidden_size, adapter.vocab_size)
+            plan = {**spec, **{k_: v for k_, v in plan.items() if k_ not in spec}}
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         diffs = _same_spec(manifest, spec)
@@ -290,7 +306,6 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
             raise FeatureCacheError(f"{out_dir} holds a feature cache that does not fit this run ({'; '.join(diffs)});"
                                     " delete it or choose another feature_cache folder")
         return manifest
-    plan_path = out_dir / PLAN
     if plan_path.is_file():
         old = json.loads(plan_path.read_text())
         diffs = _same_spec(old, spec)
@@ -352,6 +367,30 @@ def write_manifest(out_dir, *, extra: dict | None = None, build_seconds: float |
                     build_seconds=None if build_seconds is None else round(build_seconds, 1))
     _write_json(out_dir / MANIFEST, manifest)
     return manifest
+
+
+def check_cache_layers(out_dir, layers, need: str = "") -> list[int] | None:
+    """The layers a (complete or partly built) cache folder holds, or None when it has neither manifest nor plan.
+    A cache without one of `layers` raises FeatureCacheError naming what is missing (`need` says who needs it) and
+    how to rebuild: cheap (two small JSON files), so callers check before any expensive work."""
+    out_dir = Path(out_dir)
+    for name in (MANIFEST, PLAN):
+        path = out_dir / name
+        if path.is_file():
+            try:
+                have = [int(x) for x in json.loads(path.read_text()).get("layers") or []]
+            except (ValueError, TypeError) as e:
+                raise FeatureCacheError(f"{path} is unreadable ({e}); delete {out_dir} to rebuild it") from e
+            missing = sorted({int(x) for x in layers} - set(have))
+            if missing:
+                raise FeatureCacheError(
+                    f"feature cache {out_dir} holds hidden states of layers {have}, not "
+                    f"{', '.join(f'hidden.{x}' for x in missing)}" + (f" ({need})" if need else "")
+                    + f"; rebuild it: delete {out_dir.parent if out_dir.name in ('train', 'eval') else out_dir} "
+                    "(or point feature_cache at a new folder) and run again -- the backbone runs once more over "
+                    "the same sequences (self-written prompts and answers are kept)")
+            return have
+    return None
 
 
 def open_feature_cache(out_dir) -> dict:

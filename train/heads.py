@@ -24,6 +24,16 @@ those instead of running the backbone and learn the "top-k + bucket" KL (`topk_d
 so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
 offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the
 cache and the steps ~2x cheaper on CPUs with native bf16, and far slower on those without: a warning says so).
+`context` heads (hispec/heads.py) also read, for a window of earlier positions, the deepest state decoding holds:
+the final layer's raw residual for positions the full model verified, else (with `context_mid`) the verifier
+exit's, else their own exit's. They get whole sequences of every layer they read (on the fly, or rebuilt from the
+cache, which then stores `hidden.<num_layers>` too: `feature_cache_final_states` builds such a cache for linear runs
+as well, and a cache holding more layers than a run reads serves it) and, per position and step, a fresh distance
+to the verified frontier drawn uniformly from the range decoding produces (`context_ranges`; seeded by step, so
+resume stays exact); the loss is the same KL on the same loss positions. A context run pointed at a cache without
+the final layer's states stops before any work with what is missing and how to rebuild. Their evaluation adds
+top-1 / top-5 agreement at fixed distances d = 1..4 (`by_distance`; `by_distance_mid1` for a draft head that reads
+the verifier exit, with the verifier's frontier at distance 1).
 `data_only: true` stops once the data (and cache) are ready. Only the heads go through `accelerator.prepare`
 (the backbone is replicated, never sharded). Every `checkpointing_steps` the accelerate state is saved under
 `output_dir/checkpoints/step_N` (written to a temporary name, then renamed);
@@ -32,9 +42,10 @@ uninterrupted run (with or without a cache). Several CPU processes (gloo) get ac
 barriers, gathers and DDP gradient sync are real (without `cpu=True` accelerate silently ran them as independent
 single processes); they split answer generation and cache shards between them. At the end `output_dir` holds
 `hispec_heads.safetensors` (keys as `EarlyExitModel.heads_state_dict()`, fp32), `hispec_train.json` (hispec
-config, base identity, arguments, data sizes and sources) and `metrics.json` (per exit top-1
+config, base identity, arguments, data sizes and sources) and `metrics.json` (per exit top-1 and top-5
 agreement with the final layer's argmax and expected tokens per verification round, before/during/after
-training; held-out tokens are those of the loss mask; with a cache the reported KL is the top-k + bucket KL).
+training; held-out tokens are those of the loss mask; with a cache the reported KL is the top-k + bucket KL;
+context heads also per frontier distance in the final evaluation). The final evaluation is also printed.
 
 Contract: `main(argv=None) -> int`; importing this module does nothing. Bad configurations raise `ConfigError`
 (a `ValueError`) before any training; as a script they print `error: ...` and exit 2.
@@ -64,7 +75,8 @@ TRAIN_INFO_FILE = "hispec_train.json"
 METRICS_FILE = "metrics.json"
 STATE_FILE = "hispec_state.json"
 CHECKPOINTS = "checkpoints"
-TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer")
+TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer", "context")
+EVAL_DISTANCES = (1, 2, 3, 4)  # frontier distances at which context heads are evaluated (metrics.json)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # Benchmarks this project evaluates on: never training data (design.md §8).
 EVAL_ONLY_FILES = ("spec_bench_question.jsonl", "mt_bench_question.jsonl")
@@ -100,6 +112,18 @@ class ModelArguments:
                                      "0 = train it fully). Norm and residual adapter always train fully."}
     )
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha of 'layer' heads (hispec-export merges)."})
+    context_window: int = field(
+        default=16, metadata={"help": "'context' heads: positions <= t each query attends over (hispec.heads)."}
+    )
+    context_heads: int = field(default=4, metadata={"help": "'context' heads: attention heads."})
+    context_head_dim: int | None = field(
+        default=None, metadata={"help": "'context' heads: dimension per attention head (default min(64, H / heads))."}
+    )
+    context_mlp_mult: int = field(default=2, metadata={"help": "'context' heads: MLP width as a multiple of H."})
+    context_mid: bool = field(
+        default=False, metadata={"help": "'context' heads: the draft head also reads the verifier exit's states of "
+                                         "positions the verifier passed (hispec's draft > verify > full)."}
+    )
     attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
 
 
@@ -158,6 +182,11 @@ class DataArguments(SelfPromptArguments):
                           "states + the final layer's top-k distribution, see train/features.py."},
     )
     feature_cache_k: int = field(default=64, metadata={"help": "Teacher tokens kept per position in the cache."})
+    feature_cache_final_states: bool = field(
+        default=False,
+        metadata={"help": "Also cache the final layer's raw residual (hidden.<num_layers>), which 'context' heads "
+                          "read (always on for them): one cache then trains linear and context heads alike."},
+    )
     feature_cache_dtype: str = field(default="bf16", metadata={"help": "Dtype of cached hidden states: bf16 or fp32."})
     feature_cache_backbone_dtype: str = field(
         default="auto",
@@ -223,6 +252,21 @@ class TrainArguments:
         default=4, metadata={"help": "Drafts per round: for expected tokens per round and the saved config."}
     )
     window: int = field(default=4, metadata={"help": "Decoding window N_i recorded in the saved hispec config."})
+    context_draft_distance: list[int] = field(
+        default_factory=list,
+        metadata={"help": "'context' heads: LO HI, the range (inclusive) the draft head's distance to the verified "
+                          "frontier is drawn from, uniformly per position and step (default: 1 gamma+window-1 when "
+                          "the recipe or command line sets gamma or window, as hispec decoding produces; else 1 4)."},
+    )
+    context_verify_distance: list[int] = field(
+        default_factory=list,
+        metadata={"help": "'context' heads: LO HI for the verifier head (default 1 gamma+window, else 1 8)."},
+    )
+    context_mid_distance: list[int] = field(
+        default_factory=list,
+        metadata={"help": "'context' heads with context_mid: LO HI of the draft's distance to the verifier's "
+                          "frontier, drawn <= its final distance (default 1 gamma, else 1 4)."},
+    )
     logging_steps: int = field(default=10, metadata={"help": "Log to the trackers every N optimizer steps."})
     data_only: bool = field(
         default=False, metadata={"help": "Prepare the data (prompts, answers, feature cache), then exit untrained."}
@@ -266,10 +310,15 @@ def parse_args(argv=None):
             if isinstance(recipe.get(key), str):
                 recipe[key] = [recipe[key]]
         parser.set_defaults(**recipe)
+        given = set(recipe)
+    else:
+        given = set()
+    given |= {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     try:
         *dcs, extra = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    dcs[-1].decoding_given = bool(given & {"gamma", "window"})  # context distances follow them (context_ranges)
     return tuple(dcs)
 
 
@@ -376,6 +425,7 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         )
     if m.head_lora_rank < 0 or (m.head_lora_rank and m.head_type != "layer"):
         raise ConfigError(f"head_lora_rank {m.head_lora_rank}: LoRA applies to 'layer' heads only (>= 1; 0 = off)")
+    context_ranges(m, t)  # context head settings and distance ranges (ConfigError when unusable)
     if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
         raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt), --dataset_name, "
                           "--self_prompts N and/or --plain_text_file")
@@ -461,6 +511,59 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         )
 
 
+def context_settings(m: ModelArguments) -> dict:
+    """The `context` dict `EarlyExitModel.from_base` takes (hispec.heads.CONTEXT_DEFAULTS keys)."""
+    out = {"window": m.context_window, "heads": m.context_heads, "head_dim": m.context_head_dim,
+           "mlp_mult": m.context_mlp_mult}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def context_ranges(m: ModelArguments, t: TrainArguments) -> dict | None:
+    """Distance ranges (inclusive) that training draws each position's frontier distance from, like decoding
+    produces them (design.md §4): {"draft": (lo, hi), "verify": (lo, hi), "mid": (lo, hi) or None}; None for other
+    head types. Measured in hispec's decoder: with gamma g and window N a draft sits 1..g positions past the
+    verified frontier in self-spec, 1..N+g-1 in hispec (1..g past the verifier's), and the verifier's queries
+    1..N+g. Defaults follow the recipe's gamma / window when it sets them, else draft 1..4, verifier 1..8 (mid
+    1..4). Raises ConfigError for unusable settings."""
+    ctx_fields = ("context_draft_distance", "context_verify_distance", "context_mid_distance")
+    if m.head_type != "context":
+        if m.context_mid or any(getattr(t, f) for f in ctx_fields):
+            raise ConfigError(f"context_mid and context_*_distance apply to head_type: context, not "
+                              f"{m.head_type!r}")
+        return None
+    for name in ("context_window", "context_heads", "context_mlp_mult"):
+        v = getattr(m, name)
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+    if m.context_head_dim is not None and m.context_head_dim < 1:
+        raise ConfigError(f"context_head_dim must be >= 1 (or unset: min(64, hidden / heads)), got "
+                          f"{m.context_head_dim}")
+    g, n = t.gamma, t.window
+    if getattr(t, "decoding_given", False):
+        defaults = {"draft": (1, g + n - 1), "verify": (1, g + n), "mid": (1, g)}
+    else:
+        defaults = {"draft": (1, 4), "verify": (1, 8), "mid": (1, 4)}
+    if t.context_mid_distance and not m.context_mid:
+        raise ConfigError("context_mid_distance is the draft's distance to the verifier's frontier: set "
+                          "context_mid: true to use it")
+    out = {}
+    for key in ("draft", "verify", "mid"):
+        given = getattr(t, f"context_{key}_distance")
+        if not given:
+            out[key] = defaults[key]
+            continue
+        if len(given) != 2 or not all(isinstance(x, int) for x in given) or not 1 <= given[0] <= given[1]:
+            raise ConfigError(f"context_{key}_distance must be two integers LO HI with 1 <= LO <= HI (a draft is "
+                              f"never verified itself: distance 1 = the newest position), got {list(given)}")
+        out[key] = (int(given[0]), int(given[1]))
+    if not m.context_mid:
+        out["mid"] = None
+    elif out["mid"][0] > out["draft"][0]:
+        raise ConfigError(f"context_mid_distance starts at {out['mid'][0]}, above the draft's smallest final "
+                          f"distance {out['draft'][0]}: the verifier's frontier is never behind the full model's")
+    return out
+
+
 def _num_layers_from_config(path: str, revision: str | None) -> int | None:
     if path.endswith(".gguf"):
         return None  # read from the loaded model instead
@@ -507,8 +610,9 @@ def wrap_model(base, m: ModelArguments, draft: int, verify: int, gamma: int, win
     """EarlyExitModel with fresh heads; the base identity records the name given and any merged adapter."""
     from hispec.model import EarlyExitModel
 
+    ctx = ({"context": context_settings(m), "context_mid": m.context_mid} if m.head_type == "context" else {})
     model = EarlyExitModel.from_base(base, draft, verify, m.head_type, head_rank=m.head_rank, gamma=gamma,
-                                     window=window, revision=m.revision)
+                                     window=window, revision=m.revision, **ctx)
     model.hispec_config.base["name_or_path"] = m.model_name_or_path
     if m.adapter_name_or_path:
         model.hispec_config.base["merged_adapter"] = m.adapter_name_or_path
@@ -548,10 +652,16 @@ def _heads_module():
         def forward(self, hidden: dict):
             # {exit: [N, H]} -> {exit: [N, H]} features for the frozen lm_head. A `layer` head gets its exit's
             # whole sequences instead, (states [B, T, H], attention mask [B, T], loss positions [B*T]), and
-            # attends over them causally (a fresh cache per batch).
+            # attends over them causally (a fresh cache per batch). A `context` head gets a dict (see
+            # `_context_input`): whole sequences of every layer it reads and each position's frontier distance(s).
             out = {}
             for k, h in hidden.items():
-                if isinstance(h, tuple):
+                if isinstance(h, dict):
+                    head = self.heads[k]
+                    ctx = head.sequence_context(h["states"], h["distance"], h["mid_distance"], h["start"])
+                    feats = head(h["states"][head.context_layers[0]], context=ctx)
+                    out[k] = feats.reshape(-1, feats.shape[-1])[h["flat"]]
+                elif isinstance(h, tuple):
                     states, mask, flat = h
                     head = self.heads[k]
                     feats = head(states, head.run_layer_fresh(self._adapter[0], mask.long()))
@@ -568,17 +678,87 @@ def _step_hook(step: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def _batch_inputs(batch, adapter, exits, param_dtype, seq_heads=()):
+def draw_distances(n: int, rng: tuple[int, int], generator, cap=None):
+    """`n` frontier distances uniform over `rng` = (lo, hi) inclusive (long, CPU); with `cap` `[n]` each is drawn
+    uniformly from lo..min(hi, cap) instead (a draft's distance to the verifier's frontier never exceeds its
+    distance to the full model's; `context_ranges` guarantees lo <= cap)."""
+    import torch
+
+    lo, hi = rng
+    if cap is None:
+        return torch.randint(lo, hi + 1, (n,), generator=generator)
+    top = cap.clamp(max=hi)
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    return torch.minimum(lo + (u * (top - lo + 1).double()).long(), top)
+
+
+def distance_sampler(ranges: dict, generator):
+    """-> dist(name, n) -> (final distances [n], mid distances [n] or None) drawn like decoding produces them:
+    uniform over the exit's range; for the draft head with mid, the mid distance uniform in lo..min(hi, final)."""
+
+    def dist(name, n):
+        d = draw_distances(n, ranges[name], generator)
+        mid = draw_distances(n, ranges["mid"], generator, cap=d) if name == "draft" and ranges.get("mid") else None
+        return d, mid
+
+    return dist
+
+
+def fixed_distances(d: int, mid: int | None = None):
+    """-> dist(name, n): every position at final distance `d` (and, for the draft head, mid distance `mid`)."""
+    import torch
+
+    def dist(name, n):
+        full = torch.full((n,), d, dtype=torch.long)
+        return full, (torch.full((n,), min(mid, d), dtype=torch.long) if mid is not None and name == "draft" else None)
+
+    return dist
+
+
+def _distance_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    """Seed of one micro-batch's distance draws: fixed by (seed, optimizer step, micro-batch, process), so a resumed
+    run draws exactly what an uninterrupted one did."""
+    return (((seed * 1_000_003 + step) * 1009 + micro) * 101 + rank) % (1 << 62)
+
+
+def _context_input(name, layers, states, mask, flat, dist, param_dtype):
+    """What `HeadsForTraining.forward` hands a context head: whole sequences `{layer: [B, T, H]}` of every layer
+    it reads (mask `[B, T]`, left or right padded), loss positions `flat` `[B*T]`, and per position a frontier
+    distance `[B, T]` (plus a mid distance for a draft head reading the verifier exit). Distances are drawn for the
+    real positions in (sequence, position) order, so the backbone-on-the-fly and the feature-cache paths draw the
+    same distances for the same batch."""
+    import torch
+
+    B, T = mask.shape
+    d, mid = dist(name, int(mask.sum()))
+
+    def spread(v):
+        if v is None:
+            return None
+        out = torch.ones(B, T, dtype=torch.long, device=mask.device)
+        out[mask] = v.to(mask.device)
+        return out
+
+    return {"states": {L: states[L].to(param_dtype) for L in layers}, "mask": mask, "flat": flat,
+            "distance": spread(d), "mid_distance": spread(mid), "start": mask.long().argmax(1)}
+
+
+def _batch_inputs(batch, adapter, exits, param_dtype, seq_heads=(), ctx_heads=None, dist=None):
     """Backbone pass -> exit states, teacher features and next-token labels of the loss tokens (valid tokens
-    inside the batch's `loss_mask` when it has one), flattened; and the batch row of each."""
+    inside the batch's `loss_mask` when it has one), flattened; and the batch row of each. Context heads
+    (`ctx_heads` {name: layers read}) get whole sequences and frontier distances from `dist` (`_context_input`)."""
     from hispec.layers import positions_from_mask
     from train.losses import exit_states, next_token_labels
 
+    ctx_heads = ctx_heads or {}
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     pos = positions_from_mask(mask)
-    states, final = exit_states(adapter, ids, pos, mask, exits)
+    layers = tuple(sorted({*exits, *(x for ls in ctx_heads.values() for x in ls)}))
+    states, final = exit_states(adapter, ids, pos, mask, layers)
     flat = (mask & batch["loss_mask"].bool() if "loss_mask" in batch else mask).reshape(-1)
-    hidden = {name: ((states[layer].to(param_dtype), mask, flat) if name in seq_heads else
+    hidden = {name: (_context_input(name, ctx_heads[name], states, mask, flat, dist, param_dtype)
+                     if name in ctx_heads else
+                     (states[layer].to(param_dtype), mask, flat) if name in seq_heads else
                      states[layer].reshape(-1, states[layer].shape[-1])[flat].to(param_dtype))
               for name, layer in zip(("draft", "verify"), exits)}
     teacher = final.reshape(-1, final.shape[-1])[flat]
@@ -606,12 +786,27 @@ def _left_padded(flat_states, offsets, sel):
     return states, mask, flat.reshape(-1)
 
 
-def _cached_inputs(batch, exits, param_dtype, seq_heads=()):
+def _cached_inputs(batch, exits, param_dtype, seq_heads=(), ctx_heads=None, dist=None):
     """A `train.features.CachedCollator` batch -> loss-token exit states, teacher top-k ids / log-probs, labels and
     the batch row of each token. A `layer` head (named in `seq_heads`) gets its exit's whole sequences rebuilt from
-    the cache's offsets instead (see `_left_padded`): the cache stores every position, not only the loss ones."""
+    the cache's offsets instead (see `_left_padded`): the cache stores every position, not only the loss ones; a
+    context head (`ctx_heads`) those of every layer it reads, with frontier distances (`_context_input`)."""
+    ctx_heads = ctx_heads or {}
     sel = batch["loss_mask"].bool()
-    hidden = {name: (_left_padded(batch[f"hidden.{layer}"].to(param_dtype), batch["offsets"], sel)
+
+    def context(name):
+        states, mask, flat = {}, None, None
+        for L in ctx_heads[name]:
+            if f"hidden.{L}" not in batch:
+                from train.features import FeatureCacheError
+
+                raise FeatureCacheError(f"the feature cache batch has no hidden.{L}, which the {name} context head "
+                                        "reads; build the cache with that layer")
+            states[L], mask, flat = _left_padded(batch[f"hidden.{L}"], batch["offsets"], sel)
+        return _context_input(name, ctx_heads[name], states, mask, flat, dist, param_dtype)
+
+    hidden = {name: (context(name) if name in ctx_heads else
+                     _left_padded(batch[f"hidden.{layer}"].to(param_dtype), batch["offsets"], sel)
                      if name in seq_heads else batch[f"hidden.{layer}"][sel].to(param_dtype))
               for name, layer in zip(("draft", "verify"), exits)}
     return (hidden, batch["teacher_topk_ids"][sel], batch["teacher_topk_logprobs"][sel], batch["labels"][sel],
@@ -619,24 +814,29 @@ def _cached_inputs(batch, exits, param_dtype, seq_heads=()):
 
 
 def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
-    """-> f(batch, heads, pairs=(), per_token=False) -> (DistillOutput, row of each token, batch size): the
-    backbone-on-the-fly loss (`distill_loss`) or the feature-cache loss (`topk_distill_loss`)."""
+    """-> f(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0) -> (DistillOutput, row of each token,
+    batch size): the backbone-on-the-fly loss (`distill_loss`) or the feature-cache loss (`topk_distill_loss`).
+    `dist(name, n)` gives context heads their frontier distances (`distance_sampler`, `fixed_distances`)."""
     from train.generate_data import parse_gen_dtype
     from train.losses import distill_loss, topk_distill_loss
 
     project = _project_fn(adapter, parse_gen_dtype(t.loss_dtype))
     chunk = t.loss_chunk_size or None
 
-    def on_the_fly(batch, heads, pairs=(), per_token=False):
-        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype, _seq_heads(heads))
+    def on_the_fly(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0):
+        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype, _seq_heads(heads),
+                                                     _ctx_heads(heads, dist), dist)
         out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature, ce_weight=t.ce_weight,
-                           chunk_size=chunk, vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
+                           chunk_size=chunk, vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token,
+                           topk_agree=topk_agree)
         return out, row, batch["input_ids"].shape[0]
 
-    def from_cache(batch, heads, pairs=(), per_token=False):
-        hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype, _seq_heads(heads))
+    def from_cache(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0):
+        hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype, _seq_heads(heads),
+                                                        _ctx_heads(heads, dist), dist)
         out = topk_distill_loss(project, heads(hidden), ids, logp, labels, ce_weight=t.ce_weight, chunk_size=chunk,
-                                vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token)
+                                vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token,
+                                topk_agree=topk_agree)
         return out, row, batch["offsets"].shape[0] - 1
 
     return from_cache if cached else on_the_fly
@@ -646,6 +846,16 @@ def _seq_heads(heads) -> tuple[str, ...]:
     """Names of the heads that attend over whole sequences (`layer` heads) in a (DDP-)wrapped HeadsForTraining."""
     inner = getattr(heads, "module", heads).heads
     return tuple(k for k, h in inner.items() if getattr(h, "stateful", False))
+
+
+def _ctx_heads(heads, dist=None) -> dict[str, list[int]]:
+    """Names of the `context` heads -> the layers each reads, in a (DDP-)wrapped HeadsForTraining."""
+    inner = getattr(heads, "module", heads).heads
+    out = {k: list(h.context_layers) for k, h in inner.items() if getattr(h, "needs_context", False)}
+    if out and dist is None:
+        raise ValueError("context heads need frontier distances: pass dist=distance_sampler(...) or "
+                         "fixed_distances(d)")
+    return out
 
 
 def _row_index(mask):
@@ -677,38 +887,92 @@ def _project_fn(adapter, dtype=None):
     return project_cast
 
 
+def _eval_pass(accelerator, heads, loss_fn, eval_dl, dist=None) -> dict:
+    """One pass over the held-out loss tokens: per exit top-1 / top-5 agreement with the final layer's argmax and
+    KL, the draft-verify top-1 agreement, the token count (summed over processes)."""
+    import torch
+
+    totals = torch.zeros(8, dtype=torch.float64)  # top1 d/v, draft_verify, top5 d/v, kl d/v, tokens
+    for batch in eval_dl:
+        out, row, B = loss_fn(batch, heads, pairs=(("draft", "verify"),), per_token=True, dist=dist, topk_agree=5)
+        cols = [out.agree_tokens["draft"], out.agree_tokens["verify"], out.agree_tokens["draft_verify"],
+                out.topk_tokens["draft"], out.topk_tokens["verify"], out.kl_tokens["draft"], out.kl_tokens["verify"],
+                torch.ones_like(out.kl_tokens["draft"])]
+        per_row = torch.zeros(B, totals.numel(), dtype=torch.float64, device=row.device)
+        for j, v in enumerate(cols):
+            per_row[:, j].index_add_(0, row, v.double())
+        totals += accelerator.gather_for_metrics(per_row).sum(0).cpu()
+    n = max(totals[-1].item(), 1.0)
+    res = {k: {"top1_agreement": totals[j].item() / n, "top5_agreement": totals[3 + j].item() / n,
+               "kl": totals[5 + j].item() / n} for j, k in enumerate(("draft", "verify"))}
+    res["draft_verify"] = totals[2].item() / n
+    res["tokens"] = int(totals[-1].item())
+    return res
+
+
 def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, param_dtype,
-             cached: bool = False) -> dict:
-    """Per exit top-1 agreement with the final layer's argmax, KL, and expected tokens per round on held-out
-    loss tokens (from the feature cache when `cached`: there the KL is the top-k + bucket KL)."""
+             cached: bool = False, ranges: dict | None = None, by_distance: bool = False) -> dict:
+    """Per exit top-1 / top-5 agreement with the final layer's argmax, KL, and expected tokens per round on
+    held-out loss tokens (from the feature cache when `cached`: there the KL is the top-k + bucket KL).
+
+    Context heads (`ranges` from `context_ranges`): the headline numbers are at frontier distances drawn as in
+    training (a fixed seed, so every evaluation sees the same draws); with `by_distance` also at every distance d in
+    EVAL_DISTANCES for all positions (`<exit>.by_distance[d]`), and for a draft head reading the verifier exit at
+    mid distance 1 (`draft.by_distance_mid1[d]`: hispec right after the verifier passed the previous token)."""
     import torch
 
     from train.losses import expected_tokens_per_round
 
-    keys = ("draft", "verify", "draft_verify")
-    totals = torch.zeros(len(keys) + 3, dtype=torch.float64)  # agree x3, kl draft, kl verify, tokens
     loss_fn = _loss_fn(adapter, exits, t, param_dtype, cached)
+    dist = None
+    if ranges:
+        gen = torch.Generator().manual_seed(_distance_seed(t.seed + 1, 0, 0, accelerator.process_index))
+        dist = distance_sampler(ranges, gen)
     heads.eval()
     with torch.no_grad():
-        for batch in eval_dl:
-            out, row, B = loss_fn(batch, heads, pairs=(("draft", "verify"),), per_token=True)
-            per_row = torch.zeros(B, totals.numel(), dtype=torch.float64, device=row.device)
-            cols = [out.agree_tokens[k] for k in keys] + [out.kl_tokens["draft"], out.kl_tokens["verify"],
-                                                          torch.ones_like(out.kl_tokens["draft"])]
-            for j, v in enumerate(cols):
-                per_row[:, j].index_add_(0, row, v.double())
-            totals += accelerator.gather_for_metrics(per_row).sum(0).cpu()
+        main = _eval_pass(accelerator, heads, loss_fn, eval_dl, dist)
+        extra = {}
+        if ranges and by_distance:
+            for d in EVAL_DISTANCES:
+                extra[("by_distance", d)] = _eval_pass(accelerator, heads, loss_fn, eval_dl, fixed_distances(d))
+                if ranges.get("mid"):
+                    extra[("by_distance_mid1", d)] = _eval_pass(accelerator, heads, loss_fn, eval_dl,
+                                                                fixed_distances(d, mid=1))
     heads.train()
-    n = max(totals[-1].item(), 1.0)
-    result = {"eval_tokens": int(totals[-1].item()), "gamma": t.gamma,
+    result = {"eval_tokens": main["tokens"], "gamma": t.gamma,
               "teacher": "feature cache: top-k + bucket" if cached else "full distribution"}
-    for j, k in enumerate(keys):
-        alpha = totals[j].item() / n
-        result[k] = {"top1_agreement": alpha, "expected_tokens_per_round": expected_tokens_per_round(alpha, t.gamma)}
+    inner = getattr(heads, "module", heads).heads
     for j, k in enumerate(("draft", "verify")):
-        result[k]["kl"] = totals[3 + j].item() / n
-        result[k]["layer"] = exits[j]
+        alpha = main[k]["top1_agreement"]
+        result[k] = {**main[k], "expected_tokens_per_round": expected_tokens_per_round(alpha, t.gamma),
+                     "layer": exits[j], "head_type": inner[k].head_type, "vocab_size": inner[k].vocab_size}
+    result["draft_verify"] = {"top1_agreement": main["draft_verify"],
+                              "expected_tokens_per_round": expected_tokens_per_round(main["draft_verify"], t.gamma)}
+    if ranges:
+        result["context"] = {"ranges": {k: list(v) if v else None for k, v in ranges.items()},
+                             "eval_distances": list(EVAL_DISTANCES) if by_distance else []}
+    for (kind, d), res in extra.items():
+        for k in ("draft", "verify") if kind == "by_distance" else ("draft",):
+            result[k].setdefault(kind, {})[str(d)] = res[k]
     return result
+
+
+def format_agreement(res: dict) -> str:
+    """A final evaluation as a small table: per exit top-1 / top-5 agreement; context heads per frontier distance."""
+    lines = []
+    for k in ("draft", "verify"):
+        r = res[k]
+        head = f"{k:<6} L{r['layer']:<3} {r.get('head_type', '?'):<8}"
+        lines.append(f"{head} top-1 {r['top1_agreement']:.3f}  top-5 {r['top5_agreement']:.3f}  KL {r['kl']:.3f}"
+                     + ("  (distances drawn as in training)" if "by_distance" in r else ""))
+        for kind in ("by_distance", "by_distance_mid1"):
+            if kind in r:
+                cells = "  ".join(f"d={d} {v['top1_agreement']:.3f}/{v['top5_agreement']:.3f}"
+                                  for d, v in r[kind].items())
+                lines.append(f"{'':<19}top-1/top-5 {'' if kind == 'by_distance' else 'mid 1 '}{cells}")
+    lines.append(f"draft-verify top-1 {res['draft_verify']['top1_agreement']:.3f}; {res['eval_tokens']} held-out "
+                 "tokens")
+    return "\n".join(lines)
 
 
 def _build_split(state, adapter, ds, folder, kwargs, extra, t0):
@@ -729,6 +993,33 @@ def _build_split(state, adapter, ds, folder, kwargs, extra, t0):
     state.wait_for_everyone()
 
 
+def cache_layers(exits, num_layers: int, m: ModelArguments, d: DataArguments) -> tuple[list[int], list[int]]:
+    """(layers the feature cache stores, layers this run reads): the exits, plus the final layer's raw residual
+    for context heads (read) or with `feature_cache_final_states` (stored for later context runs)."""
+    read = sorted({*exits, *([num_layers] if m.head_type == "context" else [])})
+    store = sorted({*read, *([num_layers] if d.feature_cache_final_states else [])})
+    return store, read
+
+
+def check_feature_cache(m: ModelArguments, d: DataArguments, exits, num_layers: int) -> None:
+    """Before any work: a feature cache folder that exists but lacks layers this run reads is a ConfigError naming
+    what is missing and how to rebuild (a context run on a cache built for linear heads, mostly)."""
+    from train import data as tdata
+    from train.features import FeatureCacheError, check_cache_layers
+
+    if not d.feature_cache:
+        return
+    _, read = cache_layers(exits, num_layers, m, d)
+    need = (f"context heads read the final layer's raw residual, layer {num_layers}, for verified positions"
+            if m.head_type == "context" else "the exit heads' layers")
+    root = Path(tdata.expand_path(d.feature_cache))
+    for split in ("train", "eval"):
+        try:
+            check_cache_layers(root / split, read, need)
+        except FeatureCacheError as e:
+            raise ConfigError(str(e)) from e
+
+
 def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, eval_ds, pad_id):
     """Build (or resume / reuse) DIR/train and DIR/eval, then -> (train, eval CachedSequences, info for the run)."""
     from train import data as tdata
@@ -741,19 +1032,20 @@ def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, e
     # Recorded for people, not compared: the sequences' fingerprint decides whether a cache fits.
     extra = {"data": {k: v for k, v in asdict(d).items() if not k.startswith("feature_cache")},
              "generation": asdict(g), "seed": t.seed}
+    store, read = cache_layers(exits, adapter.num_layers, m, d)
     out = {}
     for split, ds in (("train", train_ds), ("eval", eval_ds)):
         if ds is None or len(ds) == 0:
             continue
         folder = root / split
-        kwargs = dict(layers=exits, k=d.feature_cache_k, identity=identity, hidden_dtype=d.feature_cache_dtype,
+        kwargs = dict(layers=store, k=d.feature_cache_k, identity=identity, hidden_dtype=d.feature_cache_dtype,
                       shard_tokens=d.feature_cache_shard_tokens, batch_tokens=d.feature_cache_batch_tokens,
                       pad_id=pad_id, extra=extra)
         t0 = time.time()
         try:
             with generation_dtype(model.base, d.feature_cache_backbone_dtype):
                 _build_split(state, adapter, ds, folder, kwargs, extra, t0)
-            out[split] = CachedSequences(folder, layers=exits)
+            out[split] = CachedSequences(folder, layers=read)
         except FeatureCacheError as e:
             raise ConfigError(str(e)) from e
         man = out[split].manifest
@@ -816,6 +1108,7 @@ def main(argv=None) -> int:
     n_layers = _num_layers_from_config(model_path, m.revision)
     if n_layers is not None:
         draft, verify = resolve_exits(m, n_layers)
+        check_feature_cache(m, d, (draft, verify), n_layers)
     tokenizer = load_tokenizer(model_path, revision=m.revision)
     if tokenizer is None:
         raise ConfigError(f"no tokenizer found for {m.model_name_or_path}; training needs one to read text")
@@ -838,6 +1131,7 @@ def main(argv=None) -> int:
 
         n_layers = DecoderAdapter(base).num_layers
         draft, verify = resolve_exits(m, n_layers)
+        check_feature_cache(m, d, (draft, verify), n_layers)
     set_seed(t.seed)
     model = wrap_model(base, m, draft, verify, t.gamma, t.window)
     model.base.to(state.device)
@@ -969,19 +1263,24 @@ def main(argv=None) -> int:
     total_steps = t.max_steps if t.max_steps > 0 else steps_per_epoch * t.num_train_epochs
     num_epochs = math.ceil(total_steps / steps_per_epoch)
 
+    ranges = context_ranges(m, t)
+    ctx_info = None if ranges is None else {"settings": context_settings(m), "mid": m.context_mid,
+                                            "ranges": {k: list(v) if v else None for k, v in ranges.items()},
+                                            "layers": model.hispec_config.context_layers}
     completed, history, prior_seconds = 0, [], 0.0
     if resume_dir is not None:
         state = json.loads((resume_dir / STATE_FILE).read_text())
-        for key in ("draft_layer", "verify_layer", "head_type"):
-            if state["run"].get(key) != {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type}[key]:
-                raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={state['run'].get(key)!r}; "
-                                  "resume with the same configuration")
+        now = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info}
+        for key in ("draft_layer", "verify_layer", "head_type", "context"):
+            if state["run"].get(key) != now[key]:
+                raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={state['run'].get(key)!r}, this "
+                                  f"run asks for {now[key]!r}; resume with the same configuration")
         accelerator.load_state(str(resume_dir))
         completed, history = int(state["step"]), list(state.get("history", []))
         prior_seconds = float(state.get("train_seconds", 0.0))
         logger.info("resumed from %s at step %d", resume_dir, completed)
 
-    run_info = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type,
+    run_info = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info,
                 "train_examples": len(train_ds), "eval_examples": len(eval_ds) if eval_ds is not None else 0,
                 "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
                 "world_size": accelerator.num_processes, "sources": sources, "feature_cache": cache_info}
@@ -992,10 +1291,11 @@ def main(argv=None) -> int:
     logger.info("training: %d sequences, %d steps/epoch, %d steps, %d process(es)", len(train_ds), steps_per_epoch,
                 total_steps, accelerator.num_processes)
 
-    def run_eval(step):
+    def run_eval(step, final=False):
         if eval_dl is None:
             return None
-        res = evaluate(accelerator, heads, adapter, eval_dl, exits, t, param_dtype, cached=cached)
+        res = evaluate(accelerator, heads, adapter, eval_dl, exits, t, param_dtype, cached=cached, ranges=ranges,
+                       by_distance=final)
         res["step"] = step
         history.append(res)
         accelerator.log({f"eval/{k}_agreement": res[k]["top1_agreement"] for k in ("draft", "verify", "draft_verify")},
@@ -1035,6 +1335,7 @@ def main(argv=None) -> int:
     window_stats: dict[str, float] = {}
     window_n = 0
     t_train = time.time()
+    micro = 0  # micro-batch within the optimizer step (seeds the context heads' distance draws)
     start_epoch = completed // steps_per_epoch
     for epoch in range(start_epoch, num_epochs):
         if completed >= total_steps:
@@ -1045,10 +1346,15 @@ def main(argv=None) -> int:
         if skip > 0:
             loader.set_epoch(epoch)
         for batch in loader:
+            dist = None
+            if ranges:  # fresh frontier distances per position and step, as decoding produces them
+                gen = torch.Generator().manual_seed(_distance_seed(t.seed, completed, micro,
+                                                                   accelerator.process_index))
+                dist = distance_sampler(ranges, gen)
             with accelerator.accumulate(heads):
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(completed, total_steps, t)
-                out, _, _ = loss_fn(batch, heads)
+                out, _, _ = loss_fn(batch, heads, dist=dist)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients and t.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(params, t.max_grad_norm)
@@ -1059,8 +1365,10 @@ def main(argv=None) -> int:
             for k, v in stats.items():
                 window_stats[k] = window_stats.get(k, 0.0) + v
             window_n += 1
+            micro += 1
             if not accelerator.sync_gradients:
                 continue
+            micro = 0
             completed += 1
             bar.update(1)
             if completed % t.logging_steps == 0 or completed == total_steps:
@@ -1081,7 +1389,7 @@ def main(argv=None) -> int:
     train_seconds = prior_seconds + time.time() - t_train  # across resumes
 
     # ---- final evaluation and outputs (each file written to a temporary name, then renamed)
-    final = run_eval(completed)
+    final = run_eval(completed, final=True)
     state = accelerator.get_state_dict(heads)
     if accelerator.is_main_process:
         prefix = "heads."
@@ -1104,9 +1412,17 @@ def main(argv=None) -> int:
         _write_json_atomic(output_dir / METRICS_FILE, {"final": final, "history": history,
                                                        "steps": completed, "train_seconds": round(train_seconds, 1)})
         if final is not None:
-            print(json.dumps({"steps": completed, "draft_agreement": final["draft"]["top1_agreement"],
-                              "verify_agreement": final["verify"]["top1_agreement"],
-                              "train_seconds": round(train_seconds, 1)}))
+            print("held-out agreement with the final layer's argmax (" + METRICS_FILE + "):\n"
+                  + format_agreement(final))
+            line = {"steps": completed, "draft_agreement": final["draft"]["top1_agreement"],
+                    "verify_agreement": final["verify"]["top1_agreement"],
+                    "draft_top5": final["draft"]["top5_agreement"], "verify_top5": final["verify"]["top5_agreement"],
+                    "train_seconds": round(train_seconds, 1)}
+            for k in ("draft", "verify"):
+                if "by_distance" in final[k]:
+                    line[f"{k}_agreement_by_distance"] = {d: round(v["top1_agreement"], 4)
+                                                          for d, v in final[k]["by_distance"].items()}
+            print(json.dumps(line))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

@@ -24,6 +24,8 @@ Contract:
   is exactly the full KL when k = V and a lower bound of it otherwise (grouping outcomes never increases KL).
   The teacher is at temperature 1 (no temperature argument); agreement is with `topk_ids[:, 0]` (the final
   layer's argmax). Same chunking, checkpointing, CE mix and outputs as `distill_loss`.
+- Both losses take `topk_agree=k` (with `per_token=True`): `DistillOutput.topk_tokens[exit]` is then 1.0 where the
+  final layer's argmax is among the head's k most likely tokens (top-5 agreement for evaluation), else 0.0.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class DistillOutput:
     n_tokens: int
     kl_tokens: dict[str, torch.Tensor] | None = None
     agree_tokens: dict[str, torch.Tensor] | None = None
+    topk_tokens: dict[str, torch.Tensor] | None = None  # final argmax within the head's top-k (`topk_agree`)
 
 
 @torch.no_grad()
@@ -87,11 +90,17 @@ def auto_chunk_size(vocab_size: int, elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, elements // max(1, vocab_size))
 
 
-def _chunk_stats(project, names, temperature, teacher, labels, *students):
+def _topk_hits(s_logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """`[c, V]` logits, `[c]` token ids -> `[c]` 1.0 where the id is among the k largest logits."""
+    k = min(k, s_logits.shape[-1])
+    return (s_logits.detach().topk(k, dim=-1).indices == target[:, None]).any(-1).float()
+
+
+def _chunk_stats(project, names, temperature, teacher, labels, *students, topk_agree=0):
     """One chunk: per exit [kl_sum, ce_sum] (differentiable) and per-token kl / agreement (detached).
 
     teacher, students: [c, H]; labels: [c] (IGNORE_INDEX = no label). Returns (sums [E, 2], kl_tok [E, c],
-    argmax [E + 1, c]) with the teacher's argmax last.
+    argmax [E + 1, c], top-k hits [E, c] (empty unless `topk_agree`)) with the teacher's argmax last.
     """
     with torch.no_grad():
         t_logits = project(teacher).float()  # [c, V]
@@ -100,9 +109,11 @@ def _chunk_stats(project, names, temperature, teacher, labels, *students):
         t_top = t_logits.argmax(-1)
         del t_logits
     has_label = labels != IGNORE_INDEX
-    sums, kl_tok, tops = [], [], []
+    sums, kl_tok, tops, hits = [], [], [], []
     for s in students:
         s_logits = project(s).float()  # [c, V]
+        if topk_agree:
+            hits.append(_topk_hits(s_logits, t_top, topk_agree))
         log_q = F.log_softmax(s_logits / temperature, dim=-1)
         kl = (p * (log_p - log_q)).sum(-1)  # [c]
         if has_label.any():
@@ -114,7 +125,11 @@ def _chunk_stats(project, names, temperature, teacher, labels, *students):
         kl_tok.append(kl.detach())
         tops.append(s_logits.detach().argmax(-1))
     tops.append(t_top)
-    return torch.stack(sums), torch.stack(kl_tok), torch.stack(tops)
+    return torch.stack(sums), torch.stack(kl_tok), torch.stack(tops), _stack_hits(hits, t_top)
+
+
+def _stack_hits(hits, like):
+    return torch.stack(hits) if hits else like.new_zeros(0, like.shape[0], dtype=torch.float32)
 
 
 def distill_loss(
@@ -129,6 +144,7 @@ def distill_loss(
     vocab_size: int | None = None,
     pairs: tuple[tuple[str, str], ...] = (),
     per_token: bool = False,
+    topk_agree: int = 0,
 ) -> DistillOutput:
     """Chunked distillation loss over N valid tokens (see module docstring).
 
@@ -150,18 +166,21 @@ def distill_loss(
     use_ckpt = need_grad and n > chunk_size
 
     sums = torch.zeros(len(names), 2, dtype=torch.float32, device=teacher.device)
-    kl_tok, tops = [], []
+    kl_tok, tops, hits = [], [], []
+    kw = {"topk_agree": topk_agree} if topk_agree else {}
     for a in range(0, n, chunk_size):
         b = min(n, a + chunk_size)
         args = (teacher[a:b], labels[a:b], *(students[k][a:b] for k in names))
         if use_ckpt:
-            s, k, t = checkpoint(_chunk_stats, project, names, temperature, *args, use_reentrant=False)
+            s, k, t, h = checkpoint(_chunk_stats, project, names, temperature, *args, use_reentrant=False, **kw)
         else:
-            s, k, t = _chunk_stats(project, names, temperature, *args)
+            s, k, t, h = _chunk_stats(project, names, temperature, *args, **kw)
         sums = sums + s
         kl_tok.append(k)
         tops.append(t)
-    return _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, teacher.device)
+        hits.append(h)
+    return _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, teacher.device,
+                     hits if topk_agree else None)
 
 
 def bucket_log_mass(topk_logprobs: torch.Tensor) -> torch.Tensor:
@@ -237,17 +256,20 @@ class TopkBucketKL(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _topk_chunk_stats(project, names, with_ce_grad, ids, logp, log_r, labels, *students):
+def _topk_chunk_stats(project, names, with_ce_grad, ids, logp, log_r, labels, *students, topk_agree=0):
     """One chunk of `topk_distill_loss`: like `_chunk_stats` with a top-k + bucket teacher.
 
     ids `[c, k]` (long), logp `[c, k]` teacher log-probs, log_r `[c]` log remaining mass (-inf: none), labels `[c]`,
-    students `[c, H]`. Returns (sums [E, 2], kl_tok [E, c], argmax [E + 1, c]) with the teacher's argmax last.
+    students `[c, H]`. Returns (sums [E, 2], kl_tok [E, c], argmax [E + 1, c], top-k hits [E, c] or empty) with the
+    teacher's argmax last.
     CE is `log Z - s[label]` (no extra pass over the vocabulary); it carries a gradient only if `with_ce_grad`.
     """
     has_label = labels != IGNORE_INDEX
-    sums, kl_tok, tops = [], [], []
+    sums, kl_tok, tops, hits = [], [], [], []
     for s in students:
         s_logits = project(s).float()  # [c, V]
+        if topk_agree:
+            hits.append(_topk_hits(s_logits, ids[:, 0], topk_agree))
         kl, log_z, arg = TopkBucketKL.apply(s_logits, ids, logp, log_r)
         with torch.set_grad_enabled(with_ce_grad and torch.is_grad_enabled()):
             picked = s_logits.gather(-1, labels.clamp(min=0)[:, None])[:, 0]
@@ -256,7 +278,7 @@ def _topk_chunk_stats(project, names, with_ce_grad, ids, logp, log_r, labels, *s
         kl_tok.append(kl.detach())
         tops.append(arg)
     tops.append(ids[:, 0])
-    return torch.stack(sums), torch.stack(kl_tok), torch.stack(tops)
+    return torch.stack(sums), torch.stack(kl_tok), torch.stack(tops), _stack_hits(hits, ids[:, 0])
 
 
 def topk_distill_loss(
@@ -271,6 +293,7 @@ def topk_distill_loss(
     vocab_size: int | None = None,
     pairs: tuple[tuple[str, str], ...] = (),
     per_token: bool = False,
+    topk_agree: int = 0,
 ) -> DistillOutput:
     """Chunked "top-k + one bucket" distillation loss over N tokens (see module docstring).
 
@@ -299,21 +322,25 @@ def topk_distill_loss(
     use_ckpt = need_grad and n > chunk_size
 
     sums = torch.zeros(len(names), 2, dtype=torch.float32, device=device)
-    kl_tok, tops = [], []
+    kl_tok, tops, hits = [], [], []
+    kw = {"topk_agree": topk_agree} if topk_agree else {}
     for a in range(0, n, chunk_size):
         b = min(n, a + chunk_size)
         args = (ids[a:b], logp[a:b], log_r[a:b], labels[a:b], *(students[k][a:b] for k in names))
         if use_ckpt:
-            s, k, t = checkpoint(_topk_chunk_stats, project, names, ce_weight > 0, *args, use_reentrant=False)
+            s, k, t, h = checkpoint(_topk_chunk_stats, project, names, ce_weight > 0, *args, use_reentrant=False,
+                                    **kw)
         else:
-            s, k, t = _topk_chunk_stats(project, names, ce_weight > 0, *args)
+            s, k, t, h = _topk_chunk_stats(project, names, ce_weight > 0, *args, **kw)
         sums = sums + s
         kl_tok.append(k)
         tops.append(t)
-    return _assemble(names, sums, kl_tok, tops, labels, n, 1.0, ce_weight, pairs, per_token, device)
+        hits.append(h)
+    return _assemble(names, sums, kl_tok, tops, labels, n, 1.0, ce_weight, pairs, per_token, device,
+                     hits if topk_agree else None)
 
 
-def _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, device):
+def _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, device, hits=None):
     """Per-chunk sums and per-token stats -> DistillOutput (shared by both losses)."""
     kl_tok = torch.cat(kl_tok, 1) if kl_tok else torch.zeros(len(names), 0, device=device)
     tops = torch.cat(tops, 1) if tops else torch.zeros(len(names) + 1, 0, dtype=torch.long, device=device)
@@ -323,6 +350,9 @@ def _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pair
     per_exit = (1.0 - ce_weight) * temperature**2 * kl_mean + (ce_weight * ce_mean if ce_weight > 0 else 0.0)
     loss = per_exit.sum()
 
+    hit = None
+    if per_token and hits is not None:
+        hit = torch.cat(hits, 1) if hits else torch.zeros(len(names), 0, device=device)
     agree_tok = {k: (tops[i] == tops[-1]).float() for i, k in enumerate(names)}
     for x, y in pairs:
         agree_tok[f"{x}_{y}"] = (tops[names.index(x)] == tops[names.index(y)]).float()
@@ -334,6 +364,7 @@ def _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pair
         n_tokens=n,
         kl_tokens={k: kl_tok[i] for i, k in enumerate(names)} if per_token else None,
         agree_tokens=agree_tok if per_token else None,
+        topk_tokens=({k: hit[i] for i, k in enumerate(names)} if hit is not None else None),
     )
 
 
