@@ -222,30 +222,57 @@ class ExitHead(nn.Module):
         chosen = torch.zeros_like(ok)
         chosen[..., 0] = True  # the query's own position: its own exit state at least (zero keys if none given)
         S = ctx.states[0].shape[1]
-        gidx = idx.clamp(0, S - 1).reshape(B, T * W)
-        keys = hidden.new_zeros(B, T, W, H)
+        A = nh * dh
+        w_kv = torch.cat([self.ctx_k.weight, self.ctx_v.weight])  # keys and values in one product [2A, H]
+        # Which kind of state each window slot (b, t, w) reads: the deepest available to its query.
+        takes = {}
         first = torch.zeros_like(ok)
         first[..., 0] = True  # position t is pre-marked chosen but still takes the deepest state it has
-        # deepest kind first: each position takes the deepest state available to its query
         for i in sorted(range(len(self.context_layers)), key=lambda i: -self.context_layers[i]):
             avail = ctx.avail[i].to(dev)
             if avail.dim() == 1:
                 avail = avail[:, None].expand(B, T)
             take = ok & (~chosen | first) & (idx < avail[..., None])
-            if not bool(take.any()):
-                continue
-            st = ctx.states[i].gather(1, gidx[..., None].expand(-1, -1, H)).reshape(B, T, W, H)
-            st = self.ctx_norms[i](st.to(hidden.dtype)) + self.ctx_kind[i]
-            keys = torch.where(take[..., None], st, keys)
+            if bool(take.any()):
+                takes[i] = take
             chosen |= take
             first &= ~take
         q = self.ctx_q(y).reshape(B, T, nh, dh)
-        k = self.ctx_k(keys).reshape(B, T, W, nh, dh)
-        v = self.ctx_v(keys).reshape(B, T, W, nh, dh)
-        att = torch.einsum("btnd,btwnd->btnw", q, k) / math.sqrt(dh) + self.ctx_rel.to(q.dtype)
-        att = att.masked_fill(~chosen[:, :, None, :], float("-inf"))
-        att = torch.softmax(att.float(), dim=-1).to(q.dtype)
-        o = torch.einsum("btnw,btwnd->btnd", att, v).reshape(B, T, nh * dh)
+        if S == T and torch.equal(pos, torch.arange(T, device=dev).expand(B, T)):
+            # Whole sequences (training, evaluation): slot w of query t is position t - w, so keys and values are
+            # projected once per position and read as W shifted views; no [B, T, W, H] tensor is built (the
+            # gathered form below costs ~10x the time and memory here; both give the same values).
+            kv = {i: nn.functional.pad(nn.functional.linear(self.ctx_norms[i](ctx.states[i].to(hidden.dtype))
+                                                            + self.ctx_kind[i], w_kv), (0, 0, W - 1, 0))
+                  for i in takes}
+            scores, vals = [], []
+            for w in range(W):
+                kw = vw = hidden.new_zeros(B, T, A)
+                for i, take in takes.items():
+                    rows = kv[i][:, W - 1 - w: W - 1 - w + T]
+                    sel = take[:, :, w, None]
+                    kw = torch.where(sel, rows[..., :A], kw)
+                    vw = torch.where(sel, rows[..., A:], vw)
+                scores.append((q * kw.reshape(B, T, nh, dh)).sum(-1))
+                vals.append(vw.reshape(B, T, nh, dh))
+            att = torch.stack(scores, -1) / math.sqrt(dh) + self.ctx_rel.to(q.dtype)  # [B, T, nh, W]
+            att = att.masked_fill(~chosen[:, :, None, :], float("-inf"))
+            att = torch.softmax(att.float(), dim=-1).to(q.dtype)
+            o = sum(att[..., w, None] * vals[w] for w in range(W)).reshape(B, T, A)
+        else:
+            # A few queries over a long buffer (decoding): gather each query's window, then project.
+            gidx = idx.clamp(0, S - 1).reshape(B, T * W)
+            kv = hidden.new_zeros(B, T, W, 2 * A)
+            for i, take in takes.items():
+                st = ctx.states[i].gather(1, gidx[..., None].expand(-1, -1, H)).reshape(B, T, W, H)
+                rows = nn.functional.linear(self.ctx_norms[i](st.to(hidden.dtype)) + self.ctx_kind[i], w_kv)
+                kv = torch.where(take[..., None], rows, kv)
+            k = kv[..., :A].reshape(B, T, W, nh, dh)
+            v = kv[..., A:].reshape(B, T, W, nh, dh)
+            att = torch.einsum("btnd,btwnd->btnw", q, k) / math.sqrt(dh) + self.ctx_rel.to(q.dtype)
+            att = att.masked_fill(~chosen[:, :, None, :], float("-inf"))
+            att = torch.softmax(att.float(), dim=-1).to(q.dtype)
+            o = torch.einsum("btnw,btwnd->btnd", att, v).reshape(B, T, A)
         z = y + self.ctx_o(o)
         return z + self.ctx_down(nn.functional.silu(self.ctx_up(z)))
 

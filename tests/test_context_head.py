@@ -52,6 +52,30 @@ def test_a_context_head_starts_as_a_norm_head_and_needs_its_context():
         head(h, context=ContextInputs(states=states, avail=ctx.avail, query_pos=ctx.query_pos, layers=[1, 2]))
 
 
+def test_projecting_whole_buffers_first_equals_gathering_windows_first():
+    """Training (whole sequences, T * W rows > buffer) projects each position once and gathers projected rows;
+    decoding (a few queries over a long buffer) gathers the window first. Both give the same features and grads."""
+    model = _context_model("llama", mid=True, window=4)
+    head = model.heads["draft"]
+    H, T = model.adapter.hidden_size, 7
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, T, H, generator=g)
+    states = {L: torch.randn(2, T, H, generator=g) for L in head.context_layers}
+    ctx = head.sequence_context(states, torch.tensor([[1, 2, 1, 3, 1, 2, 2]] * 2),
+                                torch.tensor([[1, 1, 1, 2, 1, 1, 2]] * 2), start=torch.tensor([0, 2]))
+    long = [torch.cat([s, torch.randn(2, 64, H, generator=g)], 1) for s in ctx.states]  # never-read tail
+    assert ctx.states[0].shape[1] < T * 4 < long[0].shape[1]
+    outs = []
+    for st in (ctx.states, long):
+        head.zero_grad()
+        c = ContextInputs(states=st, avail=ctx.avail, query_pos=ctx.query_pos, layers=ctx.layers, start=ctx.start)
+        out = head(h, context=c)
+        out.square().sum().backward()
+        outs.append((out.detach(), head.ctx_k.weight.grad.clone(), head.ctx_norms[1].weight.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_with_context_heads_equals_hf_generate(family):
     model = _context_model(family, mid=family in ("llama", "gemma2"))
