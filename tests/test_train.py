@@ -356,6 +356,28 @@ def test_training_from_a_full_vocabulary_fp32_cache_equals_training_on_the_fly(e
         torch.testing.assert_close(ha[k], hb[k], rtol=1e-3, atol=atol)
 
 
+def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path):
+    """tests/fixtures/resume-53f8a82/step_4 was written by the trainer as of commit 53f8a82 (before the
+    distillation core moved to hispec/distill/) in the run of the test above, killed after step 5; resuming it
+    with today's trainer ends with the same heads and metrics as an uninterrupted run."""
+    import shutil
+
+    common = ("--max_steps", "9", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
+              "--eval_steps", "3", "--learning_rate", "1e-2")
+    straight = tmp_path / "straight"
+    assert _run(_argv(env, straight, *common)) == 0
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "tests" / "fixtures" / "resume-53f8a82", old / "checkpoints")
+    assert _run(_argv(env, old, *common, "--resume_from_checkpoint", "latest")) == 0
+    a, b = _heads(straight), _heads(old)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ma = json.loads((straight / "metrics.json").read_text())
+    mb = json.loads((old / "metrics.json").read_text())
+    assert [h["step"] for h in mb["history"]] == [0, 3, 6, 9] and mb["final"] == ma["final"]
+
+
 def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):
     import train.heads as th
 
