@@ -41,7 +41,7 @@ import torch
 
 from .decoding import STRATEGIES as HISPEC_STRATEGIES
 from .io import write_json
-from .prompts import Prompt, encode_prompts
+from .prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
 
 HF_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup")
 STRATEGIES = HF_STRATEGIES + HISPEC_STRATEGIES
@@ -199,20 +199,6 @@ class PassCounter:
         self.handles = []
 
 
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
-def _eos_ids(model) -> list[int]:
-    eos = getattr(model.base.generation_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
 # ---------------------------------------------------------------------------------------------------- running
 class Runner:
     """Runs one strategy on one prompt (`[1, P]` ids) and returns a `Sample`."""
@@ -220,7 +206,7 @@ class Runner:
     def __init__(self, model, config: BenchConfig):
         self.model, self.config = model, config
         self.counter = PassCounter(model.base, model.adapter.parts.layers)
-        self.eos = _eos_ids(model)
+        self.eos = eos_ids(generation_config=model.base.generation_config)
         gen = model.base.generation_config
         self.pad = gen.pad_token_id if gen.pad_token_id is not None else (self.eos[0] if self.eos else 0)
 
@@ -260,7 +246,7 @@ class Runner:
             with torch.no_grad():
                 out = model.base.generate(ids, attention_mask=mask, **kwargs)
             secs = time.perf_counter() - t0
-            tokens = _cut_at_eos(out[0, ids.shape[1]:].tolist(), set(self.eos))
+            tokens, _ = cut_at_eos(out[0, ids.shape[1]:].tolist(), self.eos)
             c = self.counter
             counters = Counters(new_tokens=len(tokens), target_passes=c.full_passes,
                                 layer_evals=c.layer_tokens - (P - 1) * L)

@@ -30,7 +30,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .io import atomic_dir, read_json
+from .io import atomic_dir, read_json, write_text
 from .model import (
     HEADS_FILE,
     CheckpointError,
@@ -606,9 +606,7 @@ def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: 
     if card is not None:
         text = render_model_card(card["run"], model, name=card["name"], base_model=card["base_model"],
                                  license=card["license"], heads_only=card["heads_only"], calibration=cal)
-        tmp = folder / f".{CARD_FILE}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, folder / CARD_FILE)
+        write_text(folder / CARD_FILE, text)
     return cal, predictions(cal, fixed=_default_hierarchies(model))
 
 

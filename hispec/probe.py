@@ -56,7 +56,8 @@ import torch.nn.functional as F
 
 from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
 from .heads import ExitHead
-from .prompts import _from_record
+from .prompts import _from_record, cut_at_eos, left_pad
+from .prompts import eos_ids as _eos_ids
 
 DEFAULT_HEAD_TYPES = ("shared", "norm", "linear")
 DEFAULT_TOP_K = 64
@@ -392,12 +393,7 @@ class AnswerCache:
 
 
 def eos_ids(model, tokenizer) -> list[int]:
-    out = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-        if src is None:
-            continue
-        out.update(src if isinstance(src, (list, tuple)) else [src])
-    return sorted(int(x) for x in out)
+    return sorted(_eos_ids(tokenizer, model.generation_config))
 
 
 @torch.no_grad()
@@ -406,8 +402,6 @@ def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, *, eo
     """Greedy answers (new tokens up to and including the first EOS, and whether one came) for token-id prompts,
     in length-sorted left-padded batches through the model's own `generate`."""
     from tqdm.auto import tqdm
-
-    from .prompts import left_pad
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[tuple[list[int], bool] | None] = [None] * len(prompts)
@@ -422,8 +416,7 @@ def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, *, eo
         new = gen[:, ids.shape[1] :].cpu().tolist()
         done = []
         for i, row in zip(idx, new):
-            cut = next((j for j, t in enumerate(row) if t in eos), None)
-            res = (row[: cut + 1], True) if cut is not None else (row, False)
+            res = cut_at_eos(row, eos)
             out[i] = res
             done.append((i, *res))
         if on_batch is not None:

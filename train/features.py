@@ -48,18 +48,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from hispec.io import DTYPES, atomic_write, dtype_name, write_json
+
 FORMAT = "hispec-features"
 VERSION = 1
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
-HIDDEN_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 _IDENTITY_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "weights",
                   "dtype")
 
@@ -155,7 +154,7 @@ def make_plan(rows, shard_tokens: int) -> dict:
 
 def _spec(identity: dict, layers, k: int, hidden_dtype: str, hidden_size: int, vocab_size: int) -> dict:
     return {"format": FORMAT, "version": VERSION, "model": identity, "layers": sorted(int(x) for x in layers),
-            "k": int(k), "hidden_dtype": str(HIDDEN_DTYPES[hidden_dtype]).replace("torch.", ""),
+            "k": int(k), "hidden_dtype": dtype_name(DTYPES[hidden_dtype]),
             "hidden_size": int(hidden_size), "vocab_size": int(vocab_size), "teacher_temperature": 1.0}
 
 
@@ -173,16 +172,6 @@ def _same_spec(a: dict, b: dict) -> list[str]:
         if ma.get(key) != mb.get(key):
             diffs.append(f"model {key} {ma.get(key)!r} != {mb.get(key)!r}")
     return diffs
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------- build
@@ -277,7 +266,7 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
         raise FeatureCacheError(f"exit layers {layers} must be in 1..{adapter.num_layers}")
     if not 1 <= k <= adapter.vocab_size:
         raise FeatureCacheError(f"k must be in 1..{adapter.vocab_size} (the vocabulary), got {k}")
-    if hidden_dtype not in HIDDEN_DTYPES:
+    if hidden_dtype not in DTYPES:
         raise FeatureCacheError(f"unknown hidden dtype '{hidden_dtype}'; choose bf16, fp16 or fp32")
     if shard_tokens < 1 or batch_tokens < 1:
         raise FeatureCacheError("shard_tokens and batch_tokens must be >= 1")
@@ -316,7 +305,7 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
                                     f"({'; '.join(diffs)}); delete it or choose another feature_cache folder")
     elif rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(plan_path, plan)
+        write_json(plan_path, plan)
     if rank == 0 and (plan_only or world_size == 1):  # no other rank is writing yet: drop a killed run's leftovers
         for junk in out_dir.glob(".shard-*.tmp-*"):
             junk.unlink(missing_ok=True)
@@ -324,7 +313,7 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    dtype = HIDDEN_DTYPES[hidden_dtype]
+    dtype = DTYPES[hidden_dtype]
     mine = [(i, s) for i, s in enumerate(plan["shards"]) if i % world_size == rank]
     todo = [(i, s) for i, s in mine if _shard_fingerprint(out_dir / s["file"]) != s["fingerprint"]]
     bar = tqdm(total=sum(s["tokens"] for _, s in mine), initial=sum(s["tokens"] for _, s in mine)
@@ -335,10 +324,8 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
         tensors = _build_shard(adapter, rows[s["start"] : s["end"]], layers, k, dtype, batch_tokens, pad_id,
                                progress=bar.update)
         final = out_dir / s["file"]
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "fingerprint": s["fingerprint"],
-                                              "sequences": str(s["end"] - s["start"])})
-        os.replace(tmp, final)
+        meta = {"format": FORMAT, "fingerprint": s["fingerprint"], "sequences": str(s["end"] - s["start"])}
+        atomic_write(final, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
         _shard_hook(i)
     bar.close()
     if world_size == 1:
@@ -365,7 +352,7 @@ def write_manifest(out_dir, *, extra: dict | None = None, build_seconds: float |
     manifest.update(num_tokens=sum(s["tokens"] for s in shards), num_loss_tokens=sum(s["loss_tokens"] for s in shards),
                     shards=shards, extra=extra or {},
                     build_seconds=None if build_seconds is None else round(build_seconds, 1))
-    _write_json(out_dir / MANIFEST, manifest)
+    write_json(out_dir / MANIFEST, manifest)
     return manifest
 
 

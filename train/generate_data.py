@@ -37,6 +37,8 @@ if __package__ in (None, ""):  # run as a script: make `train` and `hispec` impo
 
 import torch  # noqa: E402
 
+from hispec.io import parse_dtype  # noqa: E402
+from hispec.prompts import cut_at_eos, eos_ids  # noqa: E402
 from train.data import prompt_id, render_chat  # noqa: E402
 
 
@@ -57,23 +59,11 @@ class GenerationArguments:
     )
 
 
-GEN_DTYPES = {"auto": None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_gen_dtype(name: str | None) -> torch.dtype | None:
-    """'auto' / None -> None (the model's own dtype); 'bf16' etc. -> a torch dtype; anything else: ValueError."""
-    key = "auto" if name is None else str(name).lower()
-    if key not in GEN_DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; choose one of auto, fp32, bf16, fp16")
-    return GEN_DTYPES[key]
-
-
 @contextmanager
 def generation_dtype(model, dtype):
     """Within the block the model's floating-point parameters are `dtype` (a torch dtype, a name, or None = no
     change); afterwards the original parameter tensors are restored as they were (not re-cast)."""
-    dtype = parse_gen_dtype(dtype) if not isinstance(dtype, torch.dtype) else dtype
+    dtype = parse_dtype(dtype)
     params = [] if dtype is None else [p for p in model.parameters() if p.is_floating_point() and p.dtype != dtype]
     if not params:
         yield model
@@ -141,7 +131,7 @@ def generate_responses(model, tokenizer, prompts: list[dict], out_dir, gen: Gene
     todo = [p for p in todo if lengths[p["id"]] <= gen.gen_max_prompt_tokens]
     todo.sort(key=lambda p: -lengths[p["id"]])  # similar lengths share a batch: little padding
     device = next(model.parameters()).device
-    eos = [t for t in {tokenizer.eos_token_id, *(_as_list(model.generation_config.eos_token_id))} if t is not None]
+    eos = eos_ids(tokenizer, model.generation_config)
     bar = tqdm(total=len(todo), desc=f"self-distill answers (rank {rank})", disable=not show_progress)
     written, new_tokens, t0 = 0, 0, time.time()
     with generation_dtype(model, gen.gen_dtype), \
@@ -161,12 +151,7 @@ def generate_responses(model, tokenizer, prompts: list[dict], out_dir, gen: Gene
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
             new = out[:, ids.shape[1] :].cpu()
             for p, row_ids in zip(batch, new):
-                keep = row_ids.tolist()
-                finished = False
-                for j, t in enumerate(keep):
-                    if t in eos:
-                        keep, finished = keep[:j], True
-                        break
+                keep, finished = cut_at_eos(row_ids.tolist(), eos, keep_eos=False)
                 answer = tokenizer.decode(keep, skip_special_tokens=True)
                 rec = {"id": p["id"], "messages": p["messages"] + [{"role": "assistant", "content": answer}],
                        "response_tokens": len(keep), "finished": finished}
@@ -179,12 +164,6 @@ def generate_responses(model, tokenizer, prompts: list[dict], out_dir, gen: Gene
             bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
     bar.close()
     return written
-
-
-def _as_list(x):
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def prompts_from(ds) -> list[dict]:

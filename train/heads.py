@@ -66,7 +66,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `train` and `hispec` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.self_prompts import SelfPromptArguments  # noqa: E402  (dataclasses only; no torch at import)
+from hispec.io import DTYPES, atomic_write, parse_dtype, write_json  # noqa: E402
+from train.self_prompts import SelfPromptArguments  # noqa: E402
 
 logger = logging.getLogger("hispec.train")
 
@@ -360,26 +361,6 @@ def lr_at(step: int, total: int, cfg: TrainArguments) -> float:
     return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-def _atomic_write_bytes(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # some writers create 0600 files
-    os.replace(tmp, path)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    def w(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    _atomic_write_bytes(path, w)
-
-
 def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     """Settings asking for bf16/fp16 on a CPU where that dtype's matmuls are much slower than fp32 (no native
     bf16 instructions): a logged warning each (a 2-core AVX2-only EPYC ran the bf16 feature cache 6x slower than
@@ -387,7 +368,6 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     import torch
 
     from hispec.io import matmul_speed_ratio
-    from train.generate_data import parse_gen_dtype
 
     if torch.cuda.is_available():
         return []
@@ -397,7 +377,7 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     ratios: dict = {}  # measured once per dtype
     out = []
     for key, name in asked.items():
-        dtype = parse_gen_dtype(name)
+        dtype = parse_dtype(name)
         if dtype not in (torch.bfloat16, torch.float16):
             continue
         if dtype not in ratios:
@@ -453,29 +433,26 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         raise ConfigError("self_distill needs prompts: give --train_file, --dataset_name or --self_prompts N")
     if d.plain_text_loss_on not in LOSS_ON:
         raise ConfigError(f"unknown plain_text_loss_on '{d.plain_text_loss_on}'; choose one of {', '.join(LOSS_ON)}")
-    from train.generate_data import parse_gen_dtype
 
     if g is not None:
         try:
-            parse_gen_dtype(g.gen_dtype)
+            parse_dtype(g.gen_dtype)
         except ValueError as e:
             raise ConfigError(f"gen_dtype: {e}") from e
     try:
-        parse_gen_dtype(t.loss_dtype)
+        parse_dtype(t.loss_dtype)
     except ValueError as e:
         raise ConfigError(f"loss_dtype: {e}") from e
     if d.feature_cache:
-        from train.features import HIDDEN_DTYPES
-
         if t.temperature != 1.0:
             raise ConfigError(f"the feature cache stores the teacher at temperature 1; set temperature: 1.0 "
                               f"(got {t.temperature}) or train without feature_cache")
         if d.feature_cache_k < 1:
             raise ConfigError(f"feature_cache_k must be >= 1, got {d.feature_cache_k}")
-        if d.feature_cache_dtype not in HIDDEN_DTYPES:
+        if d.feature_cache_dtype not in DTYPES:
             raise ConfigError(f"unknown feature_cache_dtype '{d.feature_cache_dtype}'; choose bf16, fp16 or fp32")
         try:
-            parse_gen_dtype(d.feature_cache_backbone_dtype)
+            parse_dtype(d.feature_cache_backbone_dtype)
         except ValueError as e:
             raise ConfigError(f"feature_cache_backbone_dtype: {e}") from e
         for name in ("feature_cache_shard_tokens", "feature_cache_batch_tokens"):
@@ -817,10 +794,9 @@ def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
     """-> f(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0) -> (DistillOutput, row of each token,
     batch size): the backbone-on-the-fly loss (`distill_loss`) or the feature-cache loss (`topk_distill_loss`).
     `dist(name, n)` gives context heads their frontier distances (`distance_sampler`, `fixed_distances`)."""
-    from train.generate_data import parse_gen_dtype
     from train.losses import distill_loss, topk_distill_loss
 
-    project = _project_fn(adapter, parse_gen_dtype(t.loss_dtype))
+    project = _project_fn(adapter, parse_dtype(t.loss_dtype))
     chunk = t.loss_chunk_size or None
 
     def on_the_fly(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0):
@@ -1315,7 +1291,7 @@ def main(argv=None) -> int:
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            _write_json_atomic(tmp / STATE_FILE, {"step": step, "history": history, "run": run_info,
+            write_json(tmp / STATE_FILE, {"step": step, "history": history, "run": run_info,
                                                   "train_seconds": prior_seconds + time.time() - t_train})
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -1396,8 +1372,8 @@ def main(argv=None) -> int:
         heads_state = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().float().cpu().contiguous()
                        for k, v in state.items()}
         output_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(output_dir / HEADS_FILE,
-                            lambda p: save_file(heads_state, str(p), metadata={"format": "pt", "hispec": "1"}))
+        atomic_write(output_dir / HEADS_FILE,
+                     lambda p: save_file(heads_state, str(p), metadata={"format": "pt", "hispec": "1"}))
         info = {
             "hispec": model.hispec_config.to_dict(),
             "base": model.hispec_config.base,
@@ -1408,9 +1384,9 @@ def main(argv=None) -> int:
             "data": run_info,
             "args": config_dump,
         }
-        _write_json_atomic(output_dir / TRAIN_INFO_FILE, info)
-        _write_json_atomic(output_dir / METRICS_FILE, {"final": final, "history": history,
-                                                       "steps": completed, "train_seconds": round(train_seconds, 1)})
+        write_json(output_dir / TRAIN_INFO_FILE, info)
+        write_json(output_dir / METRICS_FILE, {"final": final, "history": history,
+                                               "steps": completed, "train_seconds": round(train_seconds, 1)})
         if final is not None:
             print("held-out agreement with the final layer's argmax (" + METRICS_FILE + "):\n"
                   + format_agreement(final))

@@ -46,6 +46,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `train` and `hispec` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hispec.io import parse_dtype, write_json  # noqa: E402
+from hispec.prompts import cut_at_eos, eos_ids  # noqa: E402
+
 CANDIDATES = "candidates.jsonl"
 SETTINGS = "settings.json"
 SENTINEL = "\x00HISPEC_USER_CONTENT\x00"
@@ -227,10 +230,7 @@ def stop_token_ids(tokenizer, model=None) -> list[int]:
     template puts right after a user turn's content (e.g. `<|im_end|>`, `<|eot_id|>`), when it is one token."""
     from train.data import render_chat
 
-    ids = {tokenizer.eos_token_id}
-    if model is not None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids = set(eos_ids(tokenizer, getattr(model, "generation_config", None)))
     text = render_chat(tokenizer, [{"role": "user", "content": SENTINEL}])
     after = text[text.index(SENTINEL) + len(SENTINEL):] if SENTINEL in text else ""
     specials = sorted((t for t in getattr(tokenizer, "all_special_tokens", []) if t), key=len, reverse=True)
@@ -378,9 +378,7 @@ def _check_settings(out_dir: Path, settings: dict) -> None:
             )
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(settings, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_json(path, settings)
 
 
 # ---------------------------------------------------------------------------------------------------- generation
@@ -442,11 +440,7 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
                 new = out[:, enc["input_ids"].shape[1]:].cpu().tolist()
                 lines = []
                 for i, (cue, ids) in enumerate(zip(cues, new)):
-                    finished = False
-                    for j, t in enumerate(ids):
-                        if t in stops:
-                            ids, finished = ids[:j], True
-                            break
+                    ids, finished = cut_at_eos(ids, stops, keep_eos=False)
                     gen_text = tokenizer.decode(ids, skip_special_tokens=True)
                     text = (cue + gen_text).strip()
                     reason = reject_reason(text, finished, len(normalize_text(gen_text).split()),
@@ -486,7 +480,6 @@ def main(argv=None) -> int:
 
     from hispec.model import load_base_model, load_tokenizer
     from train.data import expand_path
-    from train.generate_data import parse_gen_dtype
 
     @dataclass
     class Run:
@@ -503,7 +496,7 @@ def main(argv=None) -> int:
         if not run.model_name_or_path:
             raise SelfPromptError("--model_name_or_path is required")
         validate_args(args)
-        parse_gen_dtype(run.gen_dtype)
+        parse_dtype(run.gen_dtype)
         if args.self_prompts < 1:
             raise SelfPromptError("--self_prompts N (>= 1) says how many prompts to write")
         path = expand_path(run.model_name_or_path)

@@ -181,8 +181,10 @@ def _check_model_path(model: str) -> str | None:
 
 
 def _write_json(path: str, data: dict) -> None:
+    from ..io import write_json  # torch-heavy: imported when used, so --help stays fast
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_json(path, data)
 
 
 def _log(msg: str) -> None:
