@@ -301,7 +301,7 @@ def _cache_argv(env, out, cache, pairs, *extra):
 
 
 def test_feature_cache_data_only_then_training(env, pairs_file, tmp_path, capsys):
-    from train.features import open_feature_cache
+    from hispec.distill.features import open_feature_cache
 
     cache, out = tmp_path / "cache", tmp_path / "run"
     assert _run(_cache_argv(env, out, cache, pairs_file, "--data_only", "true")) == 0
@@ -428,7 +428,7 @@ def plain_model(tmp_path_factory):
 
 def test_generation_dtype_restores_the_weights_bit_for_bit():
     from tiny import tiny_model
-    from train.generate_data import generation_dtype
+    from hispec.distill.answers import generation_dtype
 
     model = tiny_model("llama")
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.named_parameters()}
@@ -441,14 +441,14 @@ def test_generation_dtype_restores_the_weights_bit_for_bit():
 
 
 def _sp_args(**kw):
-    from train.self_prompts import SelfPromptArguments
+    from hispec.distill.self_prompts import SelfPromptArguments
 
     return SelfPromptArguments(**{"self_prompt_batch_size": 4, "self_prompt_max_new_tokens": 32, **kw})
 
 
 def test_self_prompts_are_deterministic_and_resume_after_a_torn_batch(plain_model, tmp_path):
     from hispec.model import load_base_model
-    from train.self_prompts import SelfPromptError, generate_self_prompts, read_self_prompts
+    from hispec.distill.self_prompts import SelfPromptError, generate_self_prompts, read_self_prompts
 
     model, tok = load_base_model(str(plain_model)), char_tokenizer()
     a, b = tmp_path / "a", tmp_path / "b"
@@ -473,7 +473,7 @@ def test_self_prompts_are_deterministic_and_resume_after_a_torn_batch(plain_mode
 
 def test_self_prompt_cue_file_is_used_recorded_and_checked(plain_model, tmp_path):
     from hispec.model import load_base_model
-    from train.self_prompts import SelfPromptError, generate_self_prompts, load_cues, validate_args
+    from hispec.distill.self_prompts import SelfPromptError, generate_self_prompts, load_cues, validate_args
 
     cues = tmp_path / "cues.txt"
     cues.write_text("# comment\n\nTranslate from German to English:\\n\\n\nSummarize:\n")
@@ -499,7 +499,7 @@ def test_self_prompt_cue_file_is_used_recorded_and_checked(plain_model, tmp_path
 
 
 def test_self_written_prompts_answered_in_bf16_and_trained_on(plain_model, tmp_path):
-    from train.data import prompt_id
+    from hispec.distill.data import prompt_id
 
     out = tmp_path / "run"
     assert _run(["--model_name_or_path", str(plain_model), "--self_prompts", "8", "--self_distill", "true",
@@ -597,7 +597,7 @@ def test_smollm2_self_distill_smoke(demo_model_dir, tmp_path):
 def test_smollm2_writes_its_own_prompts(demo_model_dir, tmp_path):
     """SmolLM2 in bf16 writes instructions that end at <|im_end|>; the prefix stops where the user content starts."""
     from hispec.model import load_base_model, load_tokenizer
-    from train.self_prompts import chat_prefix, generate_self_prompts, read_self_prompts, stop_token_ids
+    from hispec.distill.self_prompts import chat_prefix, generate_self_prompts, read_self_prompts, stop_token_ids
 
     model, tok = load_base_model(str(demo_model_dir)), load_tokenizer(str(demo_model_dir))
     assert chat_prefix(tok).endswith("<|im_end|>\n<|im_start|>user\n")

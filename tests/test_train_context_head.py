@@ -159,7 +159,7 @@ def test_context_training_from_a_full_vocabulary_fp32_cache_equals_training_on_t
 def test_a_cache_without_the_final_states_is_refused_before_any_work(env, pairs_file, tmp_path,  # noqa: F811
                                                                      monkeypatch):
     import train.heads as th
-    from train.features import open_feature_cache
+    from hispec.distill.features import open_feature_cache
 
     cache = tmp_path / "cache"
     assert _run(_cache_argv(env, tmp_path / "lin", cache, pairs_file, "--draft_layer", "2", "--verify_layer", "4",
@@ -179,7 +179,7 @@ def test_a_cache_without_the_final_states_is_refused_before_any_work(env, pairs_
 def test_one_cache_with_final_states_trains_linear_and_context_heads_and_context_resume(env, pairs_file, tmp_path,
                                                                                        monkeypatch):  # noqa: F811
     import train.heads as th
-    from train.features import open_feature_cache
+    from hispec.distill.features import open_feature_cache
 
     cache = tmp_path / "cache"
     common = ("--max_steps", "7", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",

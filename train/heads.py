@@ -9,17 +9,17 @@ line wins. `python train/heads.py --help` lists every field. The same entry poin
 processes (gloo), DDP and DeepSpeed ZeRO-2/3: choose an `accelerate` config from recipes/accelerate/.
 
 What it does: loads the base model (Hub id, folder or .gguf; a LoRA adapter is merged first), freezes it and adds
-two heads (`draft_layer`, `verify_layer`). Data, all optional and mixed (train/data.py):
+two heads (`draft_layer`, `verify_layer`). Data, all optional and mixed (hispec/distill/data.py):
 - prompts from files / a Hub dataset (`train_file`, `dataset_name`), plus `self_prompts: N` instructions the
-  model writes itself (train/self_prompts.py, resumable); with `self_distill` the model answers all of them
-  (train/generate_data.py, resumable, `gen_dtype: bf16` to generate in bf16) and the heads train on its answers;
+  model writes itself (hispec/distill/self_prompts.py, resumable); with `self_distill` the model answers all of them
+  (hispec/distill/answers.py, resumable, `gen_dtype: bf16` to generate in bf16) and the heads train on its answers;
 - `plain_text_file`: text distilled teacher-forced, nothing generated (whole chats, question + reference answer,
   .txt / .jsonl text); `plain_text_loss_on: assistant` limits the loss to assistant replies.
 Without a feature cache each step runs the backbone once without grad, giving the hidden states at both exits and
-the final features; both heads learn forward KL(p_final || p_exit) in one pass (train/losses.py, chunked over
+the final features; both heads learn forward KL(p_final || p_exit) in one pass (hispec/distill/losses.py, chunked over
 tokens). With `feature_cache: DIR` the backbone runs ONCE over the tokenized training and held-out sequences and
 writes their exit hidden states and the final layer's top-k next-token distribution to DIR/train and DIR/eval
-(train/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
+(hispec/distill/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
 those instead of running the backbone and learn the "top-k + bucket" KL (`topk_distill_loss`, temperature 1),
 so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
 offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the
@@ -53,6 +53,8 @@ Contract: `main(argv=None) -> int`; importing this module does nothing. Bad conf
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import math
@@ -60,14 +62,41 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `train` and `hispec` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.utils.data import DataLoader, SequentialSampler  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from hispec.distill import data as tdata  # noqa: E402
+from hispec.distill.answers import generate_responses, generation_dtype, prompts_from, read_responses  # noqa: E402
+from hispec.distill.args import (  # noqa: E402
+    EVAL_DISTANCES, LR_SCHEDULES, TRAINABLE_HEADS, ConfigError, DataArguments, GenerationArguments, ModelArguments,
+    TrainArguments, build_parser, parse_args,
+)
+from hispec.distill.data import LOSS_ON, DataError, builder_for, expand_path  # noqa: E402
+from hispec.distill.features import (  # noqa: E402
+    CachedCollator, CachedSequences, FeatureCacheError, build_feature_cache, check_cache_layers, model_identity,
+    write_manifest,
+)
+from hispec.distill.losses import (  # noqa: E402
+    distill_loss, exit_states, expected_tokens_per_round, next_token_labels, topk_distill_loss,
+)
+from hispec.distill.self_prompts import SelfPromptError, ensure_self_prompts, validate_args  # noqa: E402
+from hispec.heads import HEAD_TYPES  # noqa: E402
+from hispec import io as hio  # noqa: E402  (hio.matmul_speed_ratio looked up per call: tests replace it)
 from hispec.io import DTYPES, atomic_write, parse_dtype, write_json  # noqa: E402
-from train.self_prompts import SelfPromptArguments  # noqa: E402
+from hispec.layers import DecoderAdapter, positions_from_mask  # noqa: E402
+from hispec.model import EarlyExitModel, default_exits, load_base_model, load_tokenizer, validate_exits  # noqa: E402
+
+__all__ = ["ConfigError", "DataArguments", "GenerationArguments", "ModelArguments", "TrainArguments", "build_parser",
+           "main", "parse_args"]
 
 logger = logging.getLogger("hispec.train")
 
@@ -76,251 +105,8 @@ TRAIN_INFO_FILE = "hispec_train.json"
 METRICS_FILE = "metrics.json"
 STATE_FILE = "hispec_state.json"
 CHECKPOINTS = "checkpoints"
-TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer", "context")
-EVAL_DISTANCES = (1, 2, 3, 4)  # frontier distances at which context heads are evaluated (metrics.json)
-LR_SCHEDULES = ("constant", "linear", "cosine")
 # Benchmarks this project evaluates on: never training data (design.md §8).
 EVAL_ONLY_FILES = ("spec_bench_question.jsonl", "mt_bench_question.jsonl")
-
-
-class ConfigError(ValueError):
-    """The run configuration is unusable; raised before any training, with what to change."""
-
-
-# ---------------------------------------------------------------------------------------------------- config
-@dataclass
-class ModelArguments:
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Base model: Hub id, local HF folder or .gguf file (~ and $VARS expanded)."}
-    )
-    revision: str | None = field(default=None, metadata={"help": "Hub revision of the base model."})
-    dtype: str = field(
-        default="auto", metadata={"help": "Backbone dtype: auto, fp32, bf16 or fp16 (heads train in fp32)."}
-    )
-    adapter_name_or_path: str | None = field(
-        default=None, metadata={"help": "A LoRA adapter (peft) merged into the base model before training."}
-    )
-    draft_layer: int | None = field(
-        default=None, metadata={"help": "Draft exit: hidden state after this many layers (default round(depth/8))."}
-    )
-    verify_layer: int | None = field(
-        default=None, metadata={"help": "Intermediate-verifier exit (default round(depth/4))."}
-    )
-    head_type: str = field(default="linear", metadata={"help": f"Exit head type: {', '.join(TRAINABLE_HEADS)}."})
-    head_rank: int = field(default=64, metadata={"help": "Rank of 'lowrank' heads."})
-    head_lora_rank: int = field(
-        default=0, metadata={"help": "'layer' heads: train the copied decoder layer through LoRA of this rank (peft; "
-                                     "0 = train it fully). Norm and residual adapter always train fully."}
-    )
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha of 'layer' heads (hispec-export merges)."})
-    context_window: int = field(
-        default=16, metadata={"help": "'context' heads: positions <= t each query attends over (hispec.heads)."}
-    )
-    context_heads: int = field(default=4, metadata={"help": "'context' heads: attention heads."})
-    context_head_dim: int | None = field(
-        default=None, metadata={"help": "'context' heads: dimension per attention head (default min(64, H / heads))."}
-    )
-    context_mlp_mult: int = field(default=2, metadata={"help": "'context' heads: MLP width as a multiple of H."})
-    context_mid: bool = field(
-        default=False, metadata={"help": "'context' heads: the draft head also reads the verifier exit's states of "
-                                         "positions the verifier passed (hispec's draft > verify > full)."}
-    )
-    attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
-
-
-@dataclass
-class DataArguments(SelfPromptArguments):
-    train_file: list[str] = field(
-        default_factory=list, metadata={"help": "Local training files (json, jsonl, parquet, txt); several allowed."}
-    )
-    dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face Hub dataset to train on."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Config name of --dataset_name."})
-    dataset_split: str = field(default="train", metadata={"help": "Split of --dataset_name."})
-    text_column: str = field(
-        default="text", metadata={"help": "Column of plain text (a user prompt when self_distill)."}
-    )
-    messages_column: str = field(
-        default="messages",
-        metadata={"help": "Column of chats ({role, content} or ShareGPT {from, value} turns), used where present."},
-    )
-    max_samples_per_file: int | None = field(
-        default=None, metadata={"help": "Keep at most this many rows of each source."}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many training rows."})
-    eval_file: list[str] = field(
-        default_factory=list, metadata={"help": "Held-out files; default: an eval_fraction split."}
-    )
-    eval_fraction: float = field(default=0.05, metadata={"help": "Share of training rows held out for evaluation."})
-    max_eval_samples: int | None = field(default=64, metadata={"help": "Keep at most this many held-out rows."})
-    max_seq_length: int = field(default=512, metadata={"help": "Tokens per training sequence (truncate or pack)."})
-    packing: bool = field(
-        default=False, metadata={"help": "Pack sequences into max_seq_length blocks instead of padding."}
-    )
-    self_distill: bool = field(
-        default=False, metadata={"help": "First let the model answer the prompts itself; train on its own answers."}
-    )
-    self_distill_dir: str | None = field(
-        default=None, metadata={"help": "Where answers are written/reused (default output_dir/self_distill)."}
-    )
-    plain_text_file: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Files distilled teacher-forced on every position, nothing generated: chats (all turns), "
-                          "text_column + plain_text_answer_column pairs, plain text (json/jsonl/parquet/txt)."},
-    )
-    plain_text_loss_on: str = field(
-        default="all", metadata={"help": "Plain-text loss positions: all, or assistant (chat replies only)."}
-    )
-    plain_text_answer_column: str | None = field(
-        default="answer",
-        metadata={"help": "Plain text: a column that, next to text_column, makes a user + assistant chat."},
-    )
-    plain_text_max_samples_per_file: int | None = field(
-        default=None, metadata={"help": "Keep at most this many rows of each plain-text file."}
-    )
-    feature_cache: str | None = field(
-        default=None,
-        metadata={"help": "Folder of cached backbone features (built first if missing; train from it): exit hidden "
-                          "states + the final layer's top-k distribution, see train/features.py."},
-    )
-    feature_cache_k: int = field(default=64, metadata={"help": "Teacher tokens kept per position in the cache."})
-    feature_cache_final_states: bool = field(
-        default=False,
-        metadata={"help": "Also cache the final layer's raw residual (hidden.<num_layers>), which 'context' heads "
-                          "read (always on for them): one cache then trains linear and context heads alike."},
-    )
-    feature_cache_dtype: str = field(default="bf16", metadata={"help": "Dtype of cached hidden states: bf16 or fp32."})
-    feature_cache_backbone_dtype: str = field(
-        default="auto",
-        metadata={"help": "Dtype the backbone runs in while building the cache: auto (as loaded), fp32, bf16, fp16 "
-                          "(bf16: ~2.5x faster on this CPU; the teacher is then the bf16 model's)."},
-    )
-    feature_cache_shard_tokens: int = field(default=65536, metadata={"help": "Tokens per cache shard file."})
-    feature_cache_batch_tokens: int = field(
-        default=4096, metadata={"help": "Padded tokens per backbone pass while building the cache."}
-    )
-
-
-def _gen_fields():
-    from train.generate_data import GenerationArguments
-
-    return GenerationArguments
-
-
-@dataclass
-class TrainArguments:
-    output_dir: str = field(default="runs/heads", metadata={"help": "Run folder: checkpoints/, heads, metrics."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh even if output_dir holds a run."})
-    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs."})
-    num_train_epochs: int = field(default=1, metadata={"help": "Passes over the training data (if max_steps <= 0)."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-batch."})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Gradient clipping norm (0 = off; DeepSpeed: its JSON)."}
-    )
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"LR schedule: {', '.join(LR_SCHEDULES)}."})
-    warmup_steps: int = field(default=0, metadata={"help": "Linear LR warm-up, in optimizer steps."})
-    temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T (loss scaled by T^2)."})
-    ce_weight: float = field(
-        default=0.0, metadata={"help": "Weight of next-token cross-entropy mixed into the KL, in [0, 1]."}
-    )
-    loss_chunk_size: int = field(
-        default=0, metadata={"help": "Tokens per logits chunk in the loss (0 = auto: <= 32M logits)."}
-    )
-    loss_dtype: str = field(
-        default="auto",
-        metadata={"help": "Dtype of the frozen lm_head matmuls in the loss: auto (the backbone's), fp32, bf16, fp16; "
-                          "softmax and KL stay fp32 (bf16: ~2x faster steps on this CPU)."},
-    )
-    seed: int = field(default=42, metadata={"help": "Seed of data order, head init and sampling."})
-    checkpointing_steps: int = field(
-        default=0, metadata={"help": "Save the training state every N optimizer steps (0 = never)."}
-    )
-    save_total_limit: int | None = field(
-        default=3, metadata={"help": "Keep only the newest N checkpoints (none = all)."}
-    )
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints; none: fresh start)."},
-    )
-    eval_steps: int = field(
-        default=0, metadata={"help": "Evaluate every N optimizer steps (0 = only before and after)."}
-    )
-    eval_at_start: bool = field(default=True, metadata={"help": "Evaluate the untrained heads before training."})
-    gamma: int = field(
-        default=4, metadata={"help": "Drafts per round: for expected tokens per round and the saved config."}
-    )
-    window: int = field(default=4, metadata={"help": "Decoding window N_i recorded in the saved hispec config."})
-    context_draft_distance: list[int] = field(
-        default_factory=list,
-        metadata={"help": "'context' heads: LO HI, the range (inclusive) the draft head's distance to the verified "
-                          "frontier is drawn from, uniformly per position and step (default: 1 gamma+window-1 when "
-                          "the recipe or command line sets gamma or window, as hispec decoding produces; else 1 4)."},
-    )
-    context_verify_distance: list[int] = field(
-        default_factory=list,
-        metadata={"help": "'context' heads: LO HI for the verifier head (default 1 gamma+window, else 1 8)."},
-    )
-    context_mid_distance: list[int] = field(
-        default_factory=list,
-        metadata={"help": "'context' heads with context_mid: LO HI of the draft's distance to the verifier's "
-                          "frontier, drawn <= its final distance (default 1 gamma, else 1 4)."},
-    )
-    logging_steps: int = field(default=10, metadata={"help": "Log to the trackers every N optimizer steps."})
-    data_only: bool = field(
-        default=False, metadata={"help": "Prepare the data (prompts, answers, feature cache), then exit untrained."}
-    )
-    report_to: str = field(
-        default="none", metadata={"help": "accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."}
-    )
-
-
-def build_parser():
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser((ModelArguments, DataArguments, _gen_fields(), TrainArguments))
-    parser.add_argument("--config", default=None, help="A YAML recipe giving defaults for any field (CLI wins).")
-    return parser
-
-
-def parse_args(argv=None):
-    """argv -> (ModelArguments, DataArguments, GenerationArguments, TrainArguments); YAML defaults, CLI wins."""
-    import argparse
-
-    import yaml
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    parser = build_parser()
-    if known.config:
-        path = Path(os.path.expanduser(known.config))
-        if not path.is_file():
-            raise ConfigError(f"recipe {known.config} does not exist")
-        recipe = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(recipe, dict):
-            raise ConfigError(f"recipe {known.config} must be a mapping of field: value")
-        names = {f.name for dc in parser.dataclass_types for f in fields(dc)}
-        unknown = sorted(set(recipe) - names)
-        if unknown:
-            raise ConfigError(f"recipe {known.config}: unknown field(s) {unknown}; see `train/heads.py --help`")
-        for key in ("train_file", "eval_file", "plain_text_file"):
-            if isinstance(recipe.get(key), str):
-                recipe[key] = [recipe[key]]
-        parser.set_defaults(**recipe)
-        given = set(recipe)
-    else:
-        given = set()
-    given |= {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    try:
-        *dcs, extra = parser.parse_args_into_dataclasses(args=argv)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    dcs[-1].decoding_given = bool(given & {"gamma", "window"})  # context distances follow them (context_ranges)
-    return tuple(dcs)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -365,10 +151,6 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     """Settings asking for bf16/fp16 on a CPU where that dtype's matmuls are much slower than fp32 (no native
     bf16 instructions): a logged warning each (a 2-core AVX2-only EPYC ran the bf16 feature cache 6x slower than
     fp32). Returns the warnings."""
-    import torch
-
-    from hispec.io import matmul_speed_ratio
-
     if torch.cuda.is_available():
         return []
     asked = {"gen_dtype": g.gen_dtype, "loss_dtype": t.loss_dtype}
@@ -381,7 +163,7 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
         if dtype not in (torch.bfloat16, torch.float16):
             continue
         if dtype not in ratios:
-            ratios[dtype] = matmul_speed_ratio(dtype)
+            ratios[dtype] = hio.matmul_speed_ratio(dtype)
         if ratios[dtype] > 2.0:
             out.append(f"{key}={name}: on this CPU ({torch.backends.cpu.get_cpu_capability()}) {name} matmuls run "
                        f"{ratios[dtype]:.0f}x slower than fp32; set {key}: fp32 (bf16 only pays on CPUs with native "
@@ -393,8 +175,6 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
 
 def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=None) -> None:
     """Checks that need no model: raise ConfigError with what to change."""
-    from hispec.heads import HEAD_TYPES
-
     if not m.model_name_or_path:
         raise ConfigError("model_name_or_path is required (a Hub id, a local folder or a .gguf file)")
     if m.head_type not in HEAD_TYPES:
@@ -409,8 +189,6 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
     if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
         raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt), --dataset_name, "
                           "--self_prompts N and/or --plain_text_file")
-    from train.data import LOSS_ON, DataError, builder_for, expand_path
-    from train.self_prompts import SelfPromptError, validate_args
 
     for f in [*d.train_file, *d.eval_file, *d.plain_text_file]:
         p = expand_path(f)
@@ -552,8 +330,6 @@ def _num_layers_from_config(path: str, revision: str | None) -> int | None:
 
 
 def resolve_exits(m: ModelArguments, num_layers: int) -> tuple[int, int]:
-    from hispec.model import default_exits, validate_exits
-
     d_def, v_def = default_exits(num_layers)
     draft = d_def if m.draft_layer is None else m.draft_layer
     verify = v_def if m.verify_layer is None else m.verify_layer
@@ -566,9 +342,6 @@ def resolve_exits(m: ModelArguments, num_layers: int) -> tuple[int, int]:
 
 def load_base(m: ModelArguments):
     """The frozen base model, with a LoRA adapter merged in first when one is given."""
-    from hispec.model import load_base_model
-    from train.data import expand_path
-
     path = expand_path(m.model_name_or_path)
     base = load_base_model(path, dtype=m.dtype, revision=m.revision)
     if hasattr(base, "set_attn_implementation"):
@@ -585,8 +358,6 @@ def load_base(m: ModelArguments):
 
 def wrap_model(base, m: ModelArguments, draft: int, verify: int, gamma: int, window: int):
     """EarlyExitModel with fresh heads; the base identity records the name given and any merged adapter."""
-    from hispec.model import EarlyExitModel
-
     ctx = ({"context": context_settings(m), "context_mid": m.context_mid} if m.head_type == "context" else {})
     model = EarlyExitModel.from_base(base, draft, verify, m.head_type, head_rank=m.head_rank, gamma=gamma,
                                      window=window, revision=m.revision, **ctx)
@@ -602,7 +373,6 @@ def add_layer_lora(model, rank: int, alpha: float) -> None:
     """LoRA (peft) on every linear map of the heads' copied decoder layers; the layer's own weights freeze, the
     heads' norms and residual adapters keep training. The saved heads then hold peft keys that `hispec-export`
     merges (it reads `lora_alpha` from the run's arguments)."""
-    import torch
     from peft import LoraConfig
     from peft.tuners.lora import LoraModel
 
@@ -616,8 +386,6 @@ def add_layer_lora(model, rank: int, alpha: float) -> None:
 
 
 def _heads_module():
-    import torch
-
     class HeadsForTraining(torch.nn.Module):
         """The only module `accelerate.prepare` sees: both heads, features for given exit hidden states."""
 
@@ -659,8 +427,6 @@ def draw_distances(n: int, rng: tuple[int, int], generator, cap=None):
     """`n` frontier distances uniform over `rng` = (lo, hi) inclusive (long, CPU); with `cap` `[n]` each is drawn
     uniformly from lo..min(hi, cap) instead (a draft's distance to the verifier's frontier never exceeds its
     distance to the full model's; `context_ranges` guarantees lo <= cap)."""
-    import torch
-
     lo, hi = rng
     if cap is None:
         return torch.randint(lo, hi + 1, (n,), generator=generator)
@@ -683,8 +449,6 @@ def distance_sampler(ranges: dict, generator):
 
 def fixed_distances(d: int, mid: int | None = None):
     """-> dist(name, n): every position at final distance `d` (and, for the draft head, mid distance `mid`)."""
-    import torch
-
     def dist(name, n):
         full = torch.full((n,), d, dtype=torch.long)
         return full, (torch.full((n,), min(mid, d), dtype=torch.long) if mid is not None and name == "draft" else None)
@@ -704,8 +468,6 @@ def _context_input(name, layers, states, mask, flat, dist, param_dtype):
     distance `[B, T]` (plus a mid distance for a draft head reading the verifier exit). Distances are drawn for the
     real positions in (sequence, position) order, so the backbone-on-the-fly and the feature-cache paths draw the
     same distances for the same batch."""
-    import torch
-
     B, T = mask.shape
     d, mid = dist(name, int(mask.sum()))
 
@@ -724,9 +486,6 @@ def _batch_inputs(batch, adapter, exits, param_dtype, seq_heads=(), ctx_heads=No
     """Backbone pass -> exit states, teacher features and next-token labels of the loss tokens (valid tokens
     inside the batch's `loss_mask` when it has one), flattened; and the batch row of each. Context heads
     (`ctx_heads` {name: layers read}) get whole sequences and frontier distances from `dist` (`_context_input`)."""
-    from hispec.layers import positions_from_mask
-    from train.losses import exit_states, next_token_labels
-
     ctx_heads = ctx_heads or {}
     ids, mask = batch["input_ids"], batch["attention_mask"].bool()
     pos = positions_from_mask(mask)
@@ -748,8 +507,6 @@ def _left_padded(flat_states, offsets, sel):
     """Concatenated sequences `[N, H]` (boundaries `offsets` [B + 1]) -> left-padded `[B, T, H]`, attention mask
     `[B, T]` and the flat index `[B * T]` of the positions in `sel` [N], in the same (sequence, position) order as
     `flat_states[sel]` -- the whole-sequence input a `layer` head takes (`HeadsForTraining.forward`)."""
-    import torch
-
     lengths = offsets[1:] - offsets[:-1]
     B, T = lengths.numel(), int(lengths.max())
     row = torch.repeat_interleave(torch.arange(B, device=lengths.device), lengths)
@@ -775,8 +532,6 @@ def _cached_inputs(batch, exits, param_dtype, seq_heads=(), ctx_heads=None, dist
         states, mask, flat = {}, None, None
         for L in ctx_heads[name]:
             if f"hidden.{L}" not in batch:
-                from train.features import FeatureCacheError
-
                 raise FeatureCacheError(f"the feature cache batch has no hidden.{L}, which the {name} context head "
                                         "reads; build the cache with that layer")
             states[L], mask, flat = _left_padded(batch[f"hidden.{L}"], batch["offsets"], sel)
@@ -794,8 +549,6 @@ def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
     """-> f(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0) -> (DistillOutput, row of each token,
     batch size): the backbone-on-the-fly loss (`distill_loss`) or the feature-cache loss (`topk_distill_loss`).
     `dist(name, n)` gives context heads their frontier distances (`distance_sampler`, `fixed_distances`)."""
-    from train.losses import distill_loss, topk_distill_loss
-
     project = _project_fn(adapter, parse_dtype(t.loss_dtype))
     chunk = t.loss_chunk_size or None
 
@@ -835,8 +588,6 @@ def _ctx_heads(heads, dist=None) -> dict[str, list[int]]:
 
 
 def _row_index(mask):
-    import torch
-
     return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask).reshape(-1)
 
 
@@ -848,8 +599,6 @@ def _project_fn(adapter, dtype=None):
             return adapter.project(features.to(adapter.dtype))
 
         return project
-    import copy
-    import dataclasses
 
     parts = adapter.parts
     shim = copy.copy(adapter)
@@ -866,8 +615,6 @@ def _project_fn(adapter, dtype=None):
 def _eval_pass(accelerator, heads, loss_fn, eval_dl, dist=None) -> dict:
     """One pass over the held-out loss tokens: per exit top-1 / top-5 agreement with the final layer's argmax and
     KL, the draft-verify top-1 agreement, the token count (summed over processes)."""
-    import torch
-
     totals = torch.zeros(8, dtype=torch.float64)  # top1 d/v, draft_verify, top5 d/v, kl d/v, tokens
     for batch in eval_dl:
         out, row, B = loss_fn(batch, heads, pairs=(("draft", "verify"),), per_token=True, dist=dist, topk_agree=5)
@@ -895,10 +642,6 @@ def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, par
     training (a fixed seed, so every evaluation sees the same draws); with `by_distance` also at every distance d in
     EVAL_DISTANCES for all positions (`<exit>.by_distance[d]`), and for a draft head reading the verifier exit at
     mid distance 1 (`draft.by_distance_mid1[d]`: hispec right after the verifier passed the previous token)."""
-    import torch
-
-    from train.losses import expected_tokens_per_round
-
     loss_fn = _loss_fn(adapter, exits, t, param_dtype, cached)
     dist = None
     if ranges:
@@ -953,8 +696,6 @@ def format_agreement(res: dict) -> str:
 
 def _build_split(state, adapter, ds, folder, kwargs, extra, t0):
     """One cache folder: built by this process alone, or shard-wise by all processes and finished by the main."""
-    from train.features import build_feature_cache, write_manifest
-
     if state.num_processes == 1:
         build_feature_cache(adapter, ds, folder, show_progress=state.is_local_main_process, **kwargs)
         return
@@ -980,9 +721,6 @@ def cache_layers(exits, num_layers: int, m: ModelArguments, d: DataArguments) ->
 def check_feature_cache(m: ModelArguments, d: DataArguments, exits, num_layers: int) -> None:
     """Before any work: a feature cache folder that exists but lacks layers this run reads is a ConfigError naming
     what is missing and how to rebuild (a context run on a cache built for linear heads, mostly)."""
-    from train import data as tdata
-    from train.features import FeatureCacheError, check_cache_layers
-
     if not d.feature_cache:
         return
     _, read = cache_layers(exits, num_layers, m, d)
@@ -998,10 +736,6 @@ def check_feature_cache(m: ModelArguments, d: DataArguments, exits, num_layers: 
 
 def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, eval_ds, pad_id):
     """Build (or resume / reuse) DIR/train and DIR/eval, then -> (train, eval CachedSequences, info for the run)."""
-    from train import data as tdata
-    from train.features import CachedSequences, FeatureCacheError, model_identity
-    from train.generate_data import generation_dtype
-
     root = Path(tdata.expand_path(d.feature_cache)).absolute()
     with generation_dtype(model.base, d.feature_cache_backbone_dtype):  # the identity records the dtype used
         identity = model_identity(model.base, m.model_name_or_path)
@@ -1042,17 +776,9 @@ def main(argv=None) -> int:
     warn_if_slow_low_precision(m, d, g, t)
     output_dir = Path(os.path.expanduser(t.output_dir)).absolute()
 
-    import torch
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import InitProcessGroupKwargs, set_seed
     from datasets import concatenate_datasets
-    from safetensors.torch import save_file
-    from torch.utils.data import DataLoader, SequentialSampler
-    from tqdm.auto import tqdm
-
-    from hispec.model import load_tokenizer
-    from train import data as tdata
-    from train.generate_data import generate_responses, prompts_from, read_responses
 
     report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
     # CPU processes talk through gloo (design.md §6: without it each rank may believe it is rank 0 of 1); a
@@ -1067,7 +793,6 @@ def main(argv=None) -> int:
     # The process group comes first; the Accelerator (and with it DeepSpeed's ZeRO-3 hook into from_pretrained,
     # which would shard the frozen backbone) only after the backbone is loaded. Ranks wait at barriers while the
     # main process writes self-written prompts or a cache plan: far longer than gloo's default 30 min timeout.
-    from datetime import timedelta
 
     long_wait = {"timeout": timedelta(hours=12)} if multi_cpu else {}
     state = PartialState(**({"backend": "gloo", **multi_cpu, **long_wait} if gloo else {}))
@@ -1103,7 +828,6 @@ def main(argv=None) -> int:
     t0 = time.time()
     base = load_base(m)
     if n_layers is None:  # GGUF: the depth is known once loaded
-        from hispec.layers import DecoderAdapter
 
         n_layers = DecoderAdapter(base).num_layers
         draft, verify = resolve_exits(m, n_layers)
@@ -1122,8 +846,6 @@ def main(argv=None) -> int:
     # ---- self-written prompts (resumable; written by the main process, read by all)
     if d.self_prompts:
         from datasets import Dataset
-
-        from train.self_prompts import SelfPromptError, ensure_self_prompts
 
         sp_dir = Path(tdata.expand_path(d.self_prompts_dir)) if d.self_prompts_dir else output_dir / "self_prompts"
         t0 = time.time()
@@ -1201,7 +923,6 @@ def main(argv=None) -> int:
     if cached:
         train_ds, eval_ds, cache_info = _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds,
                                                                eval_ds, pad_id)
-        from train.features import CachedCollator
 
         collate = CachedCollator()
     if t.data_only:

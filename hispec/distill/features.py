@@ -14,7 +14,7 @@ Each shard holds, for its S sequences of N tokens in total (concatenated, no pad
     loss_mask             [N]     bool    positions whose next-token distribution trains the heads
     hidden.<layer>        [N, H]  bf16    residual stream after `layer` decoder layers, for each exit layer: the
                                           same tensor `hispec.layers.DecoderAdapter.run_layers` hands an exit
-                                          head during decoding (and `train.losses.exit_states` during training);
+                                          head during decoding (and `hispec.distill.losses.exit_states` during training);
                                           `hidden.<num_layers>` is the final layer's raw residual (before the final
                                           norm), which `context` heads read for verified positions
     teacher_topk_ids      [N, k]  int32   the final layer's k most likely next tokens, descending
@@ -51,9 +51,16 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
+from hispec.distill.losses import auto_chunk_size, exit_states
 from hispec.io import DTYPES, atomic_write, dtype_name, write_json
+from hispec.model import base_identity
+
 
 FORMAT = "hispec-features"
 VERSION = 1
@@ -91,8 +98,6 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
 
 def model_identity(model: torch.nn.Module, name_or_path: str | None = None) -> dict:
     """What a cache records about the model that made it (compared on reuse; the name is informative only)."""
-    from hispec.model import base_identity
-
     ident = dict(base_identity(model))
     if name_or_path is not None:
         ident["name_or_path"] = name_or_path
@@ -102,8 +107,6 @@ def model_identity(model: torch.nn.Module, name_or_path: str | None = None) -> d
 
 
 def _seq_fingerprint(h, ids, mask) -> None:
-    import numpy as np
-
     h.update(np.asarray(ids, dtype=np.int32).tobytes())
     h.update(np.asarray(mask, dtype=np.bool_).tobytes())
     h.update(b"|")
@@ -178,8 +181,6 @@ def _same_spec(a: dict, b: dict) -> list[str]:
 @torch.no_grad()
 def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`[n, H]` final normed features -> top-k ids `[n, k]` int32 and log-probs `[n, k]` fp32 (chunked over n)."""
-    from train.losses import auto_chunk_size
-
     step = auto_chunk_size(adapter.vocab_size)
     ids, vals = [], []
     for a in range(0, final_normed.shape[0], step):
@@ -194,8 +195,6 @@ def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Te
 def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
                  progress=None) -> dict[str, torch.Tensor]:
     """One shard's tensors (see the module docstring); sequences run in length-sorted, right-padded batches."""
-    from train.losses import exit_states
-
     lengths = [len(ids) for ids, _ in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -241,8 +240,6 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
 
 
 def _shard_fingerprint(path: Path) -> str | None:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get("fingerprint")
@@ -257,9 +254,6 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
     """Build (or resume, or reuse) a feature cache; see the module docstring. Returns the manifest when this call
     completed the cache (one process) or found it complete, None when another rank must call `write_manifest`.
     `plan_only`: only check the folder against this run and (rank 0) write the plan, then return."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     out_dir = Path(out_dir)
     layers = sorted({int(x) for x in layers})
     if not layers or any(not 1 <= x <= adapter.num_layers for x in layers):
@@ -399,8 +393,6 @@ class CachedSequences(torch.utils.data.Dataset):
     [n, k] long, `teacher_topk_logprobs` [n, k] fp32."""
 
     def __init__(self, out_dir, layers=None):
-        from safetensors import safe_open
-
         self.dir = Path(out_dir)
         self.manifest = open_feature_cache(self.dir)
         self.layers = list(self.manifest["layers"] if layers is None else layers)
@@ -422,8 +414,6 @@ class CachedSequences(torch.utils.data.Dataset):
         return {**self.__dict__, "_handles": {}}
 
     def _handle(self, si: int):
-        from safetensors import safe_open
-
         if si not in self._handles:
             self._handles[si] = safe_open(str(self.dir / self.manifest["shards"][si]["file"]), framework="pt")
         return self._handles[si]

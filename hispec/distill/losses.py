@@ -17,7 +17,7 @@ Contract:
   261-token chunks, +6.9 GiB unchunked. On CPU prefer the automatic size: glibc keeps freed blocks of <= 32 MiB
   in its heap, so very small chunks can show a larger RSS than they use (MALLOC_MMAP_THRESHOLD_ avoids that).
 - `topk_distill_loss(project, students, topk_ids, topk_logprobs, ...)` is the same loss against a teacher stored
-  as its k most likely tokens (train/features.py): the teacher distribution is the k top probabilities plus one
+  as its k most likely tokens (hispec/distill/features.py): the teacher distribution is the k top probabilities plus one
   bucket holding the remaining mass `r = 1 - sum(p_topk)`; the student is the full-vocabulary log-softmax of
   `project(head features)`, read at the k ids, with its bucket = logsumexp over every other token. Per token
   `KL = sum_i p_i (log p_i - log q_i) + r (log r - log q_rest)` (the bucket term is 0 when r = 0 or k = V), which
