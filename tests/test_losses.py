@@ -91,7 +91,7 @@ def test_next_token_labels_skip_padding():
 
 def test_padding_does_not_change_the_loss():
     """A padded row in a batch gives the same per-token KL as the row alone (padding is ignored)."""
-    from train.heads import _batch_inputs
+    from hispec.distill.training import _batch_inputs
 
     model = tiny_model("llama")
     from hispec.model import EarlyExitModel

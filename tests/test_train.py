@@ -141,6 +141,18 @@ class _Killed(Exception):
     pass
 
 
+def _assert_same_run(straight, resumed):
+    """The resumed run ended with the straight run's heads (bit for bit), evaluation steps and final metrics."""
+    a, b = _heads(straight), _heads(resumed)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ma = json.loads((straight / "metrics.json").read_text())
+    mb = json.loads((resumed / "metrics.json").read_text())
+    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == [0, 3, 6, 9]
+    assert mb["final"] == ma["final"]
+
+
 def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
     """9 steps straight vs. killed after step 5 + `--resume_from_checkpoint latest` (from step 4, mid-epoch,
     with gradient accumulation and an epoch boundary after it): identical heads, bit for bit."""
@@ -170,14 +182,7 @@ def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="already holds a run"):
         _run(_argv(env, killed, *common))  # refuses to silently start over
     assert _run(_argv(env, killed, *common, "--resume_from_checkpoint", "latest")) == 0
-    a, b = _heads(straight), _heads(killed)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    ma = json.loads((straight / "metrics.json").read_text())
-    mb = json.loads((killed / "metrics.json").read_text())
-    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == [0, 3, 6, 9]
-    assert mb["final"] == ma["final"]
+    _assert_same_run(straight, killed)
     # save_total_limit (3) keeps the newest checkpoints only
     assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")) == [
         "step_4", "step_6", "step_8"]
@@ -369,13 +374,7 @@ def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path)
     old = tmp_path / "old"
     shutil.copytree(REPO / "tests" / "fixtures" / "resume-53f8a82", old / "checkpoints")
     assert _run(_argv(env, old, *common, "--resume_from_checkpoint", "latest")) == 0
-    a, b = _heads(straight), _heads(old)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    ma = json.loads((straight / "metrics.json").read_text())
-    mb = json.loads((old / "metrics.json").read_text())
-    assert [h["step"] for h in mb["history"]] == [0, 3, 6, 9] and mb["final"] == ma["final"]
+    _assert_same_run(straight, old)
 
 
 def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):

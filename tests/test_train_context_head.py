@@ -23,7 +23,7 @@ def _cache_argv(env, out, cache, pairs, *extra):  # noqa: F811
 
 
 def test_distance_draws_respect_the_ranges_and_are_reproducible():
-    from train.heads import distance_sampler, draw_distances, fixed_distances
+    from hispec.distill.training import distance_sampler, draw_distances, fixed_distances
 
     ranges = {"draft": (2, 7), "verify": (1, 8), "mid": (1, 4)}
     f = distance_sampler(ranges, torch.Generator().manual_seed(0))
@@ -54,7 +54,8 @@ def test_distance_draws_respect_the_ranges_and_are_reproducible():
      {"draft": [2, 5], "verify": [1, 3], "mid": None}),
 ])
 def test_distance_ranges_follow_the_decoding_settings(env, tmp_path, extra, ranges):  # noqa: F811
-    from train.heads import context_ranges, parse_args
+    from hispec.distill.args import parse_args
+    from hispec.distill.training import context_ranges
 
     m, d, g, t = parse_args(_argv(env, tmp_path / "r", *CTX, *extra))
     got = context_ranges(m, t)
