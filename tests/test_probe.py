@@ -524,12 +524,12 @@ def test_eval_heads_bad_input_exit_2(model_dir, checkpoints, tmp_path, capsys, m
     assert out == ""
 
 
-def _approx(expected):
+def _approx_tree(expected):
     """Nested pytest.approx: floats to 1e-4 relative (the JSON rounds them to 5 digits), the rest exactly."""
     if isinstance(expected, dict):
-        return {k: _approx(v) for k, v in expected.items()}
+        return {k: _approx_tree(v) for k, v in expected.items()}
     if isinstance(expected, list):
-        return [_approx(v) for v in expected]
+        return [_approx_tree(v) for v in expected]
     if isinstance(expected, float):
         return pytest.approx(expected, rel=1e-4, abs=2e-5)
     return expected
@@ -553,4 +553,4 @@ def test_cli_figures_unchanged_since_before_the_distill_core(model_dir, tmp_path
         res = json.loads((tmp_path / f"{name}.json").read_text())
         res.pop("seconds", None)
         res["model"].pop("path", None)
-        assert res == _approx(expected[name]), name
+        assert res == _approx_tree(expected[name]), name
