@@ -56,14 +56,15 @@ import torch.nn.functional as F
 
 from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
 from .heads import ExitHead
-from .prompts import _from_record, cut_at_eos, left_pad
+from .distill.data import ROLES
+from .distill.generate import generate_rows
+from .distill.losses import expected_tokens_per_round as iid_tokens_per_pass
+from .prompts import _from_record
 from .prompts import eos_ids as _eos_ids
 
 DEFAULT_HEAD_TYPES = ("shared", "norm", "linear")
 DEFAULT_TOP_K = 64
 EVAL_SET_MARKERS = ("spec_bench", "spec-bench", "specbench", "mt_bench", "mt-bench", "mtbench")
-_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
-         "model": "assistant", "chatgpt": "assistant", "system": "system"}
 
 
 class ProbeError(ValueError):
@@ -160,7 +161,7 @@ def _normalize_messages(turns) -> list[dict] | None:
     out = []
     for t in turns:
         if isinstance(t, dict):
-            role = _ROLE.get(str(t.get("role", t.get("from", ""))).lower())
+            role = ROLES.get(str(t.get("role", t.get("from", ""))).lower())
             content = t.get("content", t.get("value"))
         else:
             return None
@@ -396,31 +397,22 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(_eos_ids(tokenizer, model.generation_config))
 
 
-@torch.no_grad()
 def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, *, eos: list[int], pad_id: int,
                      batch_size: int = 16, progress: bool = False, on_batch=None) -> list[tuple[list[int], bool]]:
     """Greedy answers (new tokens up to and including the first EOS, and whether one came) for token-id prompts,
-    in length-sorted left-padded batches through the model's own `generate`."""
+    in length-sorted left-padded batches through the distillation core's batched generator."""
     from tqdm.auto import tqdm
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[tuple[list[int], bool] | None] = [None] * len(prompts)
-    device = next(model.parameters()).device
     bar = tqdm(total=len(prompts), desc="answering prompts", unit="prompt", disable=not progress, dynamic_ncols=True)
     for a in range(0, len(order), batch_size):
         idx = order[a : a + batch_size]
-        ids, mask = left_pad([prompts[i] for i in idx], pad_id)
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
-                             eos_token_id=eos or None)
-        new = gen[:, ids.shape[1] :].cpu().tolist()
-        done = []
-        for i, row in zip(idx, new):
-            res = cut_at_eos(row, eos)
+        rows = generate_rows(model, [prompts[i] for i in idx], pad_id=pad_id, eos=eos, max_new_tokens=max_new_tokens)
+        for i, res in zip(idx, rows):
             out[i] = res
-            done.append((i, *res))
         if on_batch is not None:
-            on_batch(done)
+            on_batch([(i, *res) for i, res in zip(idx, rows)])
         bar.update(len(idx))
     bar.close()
     return out
@@ -757,11 +749,6 @@ def tokens_per_pass(agree: torch.Tensor, segment: torch.Tensor, gamma: int) -> f
         t, p = simulate_rounds(part.tolist(), gamma)
         tokens, passes = tokens + t, passes + p
     return tokens / passes
-
-
-def iid_tokens_per_pass(alpha: float, gamma: int) -> float:
-    """Reference: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d. acceptance alpha."""
-    return float(gamma + 1) if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 def top_vocab(tokens: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:

@@ -37,9 +37,10 @@ from tqdm.auto import tqdm
 
 from hispec.distill.args import DataArguments, GenerationArguments, ModelArguments
 from hispec.distill.data import DataError, expand_path, load_examples, prompt_id, prompt_of, render_chat
+from hispec.distill.generate import generate_rows
 from hispec.io import parse_dtype
 from hispec.model import load_base_model, load_tokenizer
-from hispec.prompts import cut_at_eos, eos_ids
+from hispec.prompts import eos_ids
 
 
 @contextmanager
@@ -108,31 +109,22 @@ def generate_responses(model, tokenizer, prompts: list[dict], out_dir, gen: Gene
         return 0
     tokenizer = _padded(tokenizer)
     texts = {p["id"]: render_chat(tokenizer, p["messages"], add_generation_prompt=True) for p in todo}
-    lengths = {i: len(tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in texts.items()}
-    todo = [p for p in todo if lengths[p["id"]] <= gen.gen_max_prompt_tokens]
-    todo.sort(key=lambda p: -lengths[p["id"]])  # similar lengths share a batch: little padding
-    device = next(model.parameters()).device
+    prompt_ids = {i: list(tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in texts.items()}
+    todo = [p for p in todo if len(prompt_ids[p["id"]]) <= gen.gen_max_prompt_tokens]
+    todo.sort(key=lambda p: -len(prompt_ids[p["id"]]))  # similar lengths share a batch: little padding
     eos = eos_ids(tokenizer, model.generation_config)
+    sample = (gen.gen_temperature, gen.gen_top_p) if gen.gen_do_sample else None
     bar = tqdm(total=len(todo), desc=f"self-distill answers (rank {rank})", disable=not show_progress)
     written, new_tokens, t0 = 0, 0, time.time()
     with generation_dtype(model, gen.gen_dtype), \
             open_for_append(out_dir / f"part-rank{rank}.jsonl") as f:
         for a in range(0, len(todo), gen.gen_batch_size):
             batch = todo[a : a + gen.gen_batch_size]
-            enc = tokenizer([texts[p["id"]] for p in batch], return_tensors="pt", padding=True,
-                            add_special_tokens=False)
-            ids, mask = enc["input_ids"], enc["attention_mask"]
-            kwargs = dict(max_new_tokens=gen.gen_max_new_tokens, do_sample=gen.gen_do_sample,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=eos or None)
-            if gen.gen_do_sample:
-                kwargs.update(temperature=gen.gen_temperature, top_p=gen.gen_top_p, top_k=0)
-                torch.manual_seed(seed * 1_000_003 + int(batch[0]["id"][:8], 16))
-            else:
-                kwargs.update(temperature=None, top_p=None, top_k=None)
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-            new = out[:, ids.shape[1] :].cpu()
-            for p, row_ids in zip(batch, new):
-                keep, finished = cut_at_eos(row_ids.tolist(), eos, keep_eos=False)
+            seed_b = seed * 1_000_003 + int(batch[0]["id"][:8], 16) if sample else None
+            rows = generate_rows(model, [prompt_ids[p["id"]] for p in batch], pad_id=tokenizer.pad_token_id,
+                                 eos=eos, max_new_tokens=gen.gen_max_new_tokens, sample=sample, seed=seed_b,
+                                 keep_eos=False)
+            for p, (keep, finished) in zip(batch, rows):
                 answer = tokenizer.decode(keep, skip_special_tokens=True)
                 rec = {"id": p["id"], "messages": p["messages"] + [{"role": "assistant", "content": answer}],
                        "response_tokens": len(keep), "finished": finished}

@@ -43,15 +43,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from hispec.distill.answers import generation_dtype, open_for_append
 from hispec.distill.args import SelfPromptArguments
 from hispec.distill.data import expand_path, prompt_id, render_chat
+from hispec.distill.generate import generate_rows
 from hispec.io import parse_dtype, write_json
 from hispec.model import load_base_model, load_tokenizer
-from hispec.prompts import cut_at_eos, eos_ids
+from hispec.prompts import eos_ids
 
 
 CANDIDATES = "candidates.jsonl"
@@ -375,7 +375,6 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    device = next(model.parameters()).device
     bs = args.self_prompt_batch_size
     max_batches = 8 + 10 * -(-n // bs)  # fewer than ~1 in 10 accepted: something is wrong, stop
     bar = tqdm(total=n, initial=min(kept, n), desc="self-written prompts", disable=not show_progress)
@@ -393,19 +392,13 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
                         "template, or settings such as a too small self_prompt_max_new_tokens)"
                     )
                 cues = draw_cues(bs, random.Random(f"{seed}-{b}"), args.self_prompt_cue_fraction, cue_set)
-                enc = tokenizer([prefix + c for c in cues], return_tensors="pt", padding=True,
-                                add_special_tokens=False)
-                torch.manual_seed(seed * 1_000_003 + b)
-                with torch.no_grad():
-                    out = model.generate(input_ids=enc["input_ids"].to(device),
-                                         attention_mask=enc["attention_mask"].to(device),
-                                         max_new_tokens=args.self_prompt_max_new_tokens, do_sample=True,
-                                         temperature=args.self_prompt_temperature, top_p=args.self_prompt_top_p,
-                                         top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
-                new = out[:, enc["input_ids"].shape[1]:].cpu().tolist()
+                rows = [list(tokenizer(prefix + c, add_special_tokens=False)["input_ids"]) for c in cues]
+                out = generate_rows(model, rows, pad_id=tokenizer.pad_token_id, eos=stops,
+                                    max_new_tokens=args.self_prompt_max_new_tokens,
+                                    sample=(args.self_prompt_temperature, args.self_prompt_top_p),
+                                    seed=seed * 1_000_003 + b, keep_eos=False)
                 lines = []
-                for i, (cue, ids) in enumerate(zip(cues, new)):
-                    ids, finished = cut_at_eos(ids, stops, keep_eos=False)
+                for i, (cue, (ids, finished)) in enumerate(zip(cues, out)):
                     gen_text = tokenizer.decode(ids, skip_special_tokens=True)
                     text = (cue + gen_text).strip()
                     reason = reject_reason(text, finished, len(normalize_text(gen_text).split()),
