@@ -58,6 +58,7 @@ from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
 from .heads import ExitHead
 from .distill.data import ROLES
 from .distill.generate import generate_rows
+from .distill.losses import TopkBucketKL, bucket_log_mass
 from .distill.losses import expected_tokens_per_round as iid_tokens_per_pass
 from .prompts import _from_record
 from .prompts import eos_ids as _eos_ids
@@ -645,22 +646,13 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
 
 # ---------------------------------------------------------------------------------------------------- heads
 def topk_kl(student_logits: torch.Tensor, t_ids: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
-    """Forward KL(teacher || student) per row over the teacher's top-k tokens plus one bucket for the rest.
+    """Forward KL(teacher || student) per row over the teacher's top-k tokens plus one bucket for the rest: the
+    core's fused `TopkBucketKL` (hispec.distill.losses, as the trainer's feature-cache loss).
 
     student_logits `[n, V]` (full vocabulary); t_ids `[n, k]`, t_logp `[n, k]` the teacher's top-k ids and
     log-probabilities. Returns `[n]` fp32. The student's bucket is exactly the mass of its other V - k tokens.
     """
-    logits = student_logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    lq_top = logits.gather(-1, t_ids) - lse[:, None]
-    p_top = t_logp.exp()
-    kl = (p_top * (t_logp - lq_top)).sum(-1)
-    if t_ids.shape[-1] < logits.shape[-1]:
-        p_rest = (1.0 - p_top.sum(-1)).clamp(min=0.0)
-        rest = logits.scatter(-1, t_ids, float("-inf"))
-        lq_rest = (torch.logsumexp(rest, dim=-1) - lse).clamp(min=-1e4)
-        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * lq_rest
-    return kl
+    return TopkBucketKL.apply(student_logits.float(), t_ids, t_logp.float(), bucket_log_mass(t_logp))[0]
 
 
 def make_head(head_type: str, adapter, rank: int = 64, seed: int = 0) -> ExitHead:
