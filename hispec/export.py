@@ -18,6 +18,7 @@ Nothing here contacts the Hub unless the base is a Hub id or a push is asked for
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -30,7 +31,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .io import atomic_dir, read_json, write_text
+from .io import atomic_dir, read_json, write_json, write_text
 from .model import (
     HEADS_FILE,
     CheckpointError,
@@ -705,3 +706,26 @@ __all__ = [
     "push_to_hub",
     "list_files",
 ]
+
+
+def write_decoding_defaults(folder: str | os.PathLike, setting, *, write_exits: bool = False) -> dict:
+    """Store gamma/window (and, when `write_exits`, the exits) in config.json's hispec entry, atomically.
+
+    `setting`: anything with `gamma`, `window`, `draft_layer`, `verify_layer` (a `hispec.bench.sweep.Setting`, the
+    sweep's best)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: --write-defaults needs a local hispec checkpoint folder")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if "hispec" not in cfg:
+        raise ValueError(f"{path} has no 'hispec' entry: --write-defaults needs a hispec checkpoint, not a base model")
+    hc = HispecConfig.from_dict(cfg["hispec"])  # read any format, write the current one (other keys kept)
+    hc.gamma = setting.gamma
+    if setting.window is not None:
+        hc.window = setting.window
+    if write_exits:
+        hc.draft_layer, hc.verify_layer = setting.draft_layer, setting.verify_layer or hc.verify_layer
+    h = {**cfg["hispec"], **hc.to_dict()}
+    cfg["hispec"] = h
+    write_json(path, cfg)
+    return h

@@ -137,10 +137,19 @@ def interp(table: dict, T: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_fingerprint(device=None) -> dict:
     """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch."""
-    from .bench import cpu_model
-
     dev = torch.device(device) if device is not None else torch.device("cpu")
     fp = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": dev.type,
           "cuda_name": None, "torch": torch.__version__, "platform": platform.machine()}
