@@ -52,13 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
 from .heads import ExitHead
 from .distill.data import ROLES
 from .distill.generate import generate_rows
-from .distill.losses import TopkBucketKL, bucket_log_mass
+from .distill.losses import TopkBucketKL, bucket_log_mass, exit_states, topk_logprobs
 from .distill.losses import expected_tokens_per_round as iid_tokens_per_pass
 from .prompts import _from_record
 from .prompts import eos_ids as _eos_ids
@@ -504,9 +503,7 @@ class Features:
 
 def teacher_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits `[n, V]` -> (top-k ids `[n, k]`, their log-probabilities `[n, k]` fp32, argmax `[n]`)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    k = min(k, logp.shape[-1])
-    vals, ids = logp.topk(k, dim=-1)
+    ids, vals = topk_logprobs(logits, k)
     return ids, vals, logits.float().argmax(-1)
 
 
@@ -590,13 +587,13 @@ def _padded_batch(sequences: list[Sequence], batch: list[int], offsets: list[int
 def _frozen_passes(adapter, sequences: list[Sequence], offsets, layers, batch_tokens: int, desc: str,
                    progress: bool):
     """One frozen pass per length batch, shared by the probe and `--eval-heads`. Yields `(valid [B, T], rows, cols,
-    dest, saved {layer: [B, T, H]}, final [n_scored, H])`: the residual stream after each of `layers`, and the last
-    layer's output at the scored positions (`rows`, `cols`) that go to flat indices `dest`. Final logits are left
-    to the caller, chunked over scored positions only (a `[B, T, V]` tensor would not fit for long batches)."""
+    dest, saved {layer: [B, T, H]}, final [n_scored, H])`: the residual stream after each of `layers`, and the final
+    normed features at the scored positions (`rows`, `cols`) that go to flat indices `dest` -- the core's frozen pass
+    (`hispec.distill.losses.exit_states`). Final logits (`adapter.project`) are left to the caller, chunked over
+    scored positions only (a `[B, T, V]` tensor would not fit for long batches)."""
     from tqdm.auto import tqdm
 
     device = adapter.device
-    bounds = sorted({0, adapter.num_layers, *layers})
     bar = tqdm(total=len(sequences), desc=desc, unit="seq", disable=not progress, dynamic_ncols=True)
     for batch in _length_batches(sequences, batch_tokens):
         packed = _padded_batch(sequences, batch, offsets, device)
@@ -604,16 +601,9 @@ def _frozen_passes(adapter, sequences: list[Sequence], offsets, layers, batch_to
             ids, valid, rows_t, cols_t, dest_t = packed
             T = ids.shape[1]
             positions = torch.arange(T, device=device).expand(len(batch), T)
-            cache = adapter.new_cache(len(batch))
-            h = adapter.embed(ids, positions)
-            saved = {}
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                h = adapter.run_layers(h, a, b, position_ids=positions, cache=cache, valid=valid)
-                if b in layers:
-                    saved[b] = h
-            del cache
-            yield valid, rows_t, cols_t, dest_t, saved, h[rows_t, cols_t]
-            del saved, h
+            saved, normed = exit_states(adapter, ids, positions, valid, tuple(layers))
+            yield valid, rows_t, cols_t, dest_t, saved, normed[rows_t, cols_t]
+            del saved, normed
         bar.update(len(batch))
     bar.close()
 
@@ -637,7 +627,7 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
         for b, h in saved.items():
             hidden[b][dest_t] = h[rows_t, cols_t].to("cpu", feature_dtype)
         for c in range(0, final.shape[0], chunk):
-            ti, tl, tt = teacher_targets(adapter.final_logits(final[c : c + chunk]), k)
+            ti, tl, tt = teacher_targets(adapter.project(final[c : c + chunk]), k)
             d = dest_t[c : c + chunk]
             t_ids[d], t_logp[d], t_top[d] = ti.cpu(), tl.cpu(), tt.cpu()
     return Features(hidden, t_ids, t_logp, t_top, lay.next_token, lay.segment, lay.sequence, lay.category,
@@ -1059,7 +1049,7 @@ def exit_head_predictions(model, sequences: list[Sequence], *, batch_tokens: int
     for valid, rows_t, cols_t, dest_t, saved, final in _frozen_passes(
             adapter, sequences, lay.offsets, list(exits.values()), batch_tokens, "evaluating heads", progress):
         for c in range(0, final.shape[0], chunk):
-            out["final"][dest_t[c : c + chunk]] = adapter.final_logits(final[c : c + chunk]).float().argmax(-1).cpu()
+            out["final"][dest_t[c : c + chunk]] = adapter.project(final[c : c + chunk]).float().argmax(-1).cpu()
         for name, layer in exits.items():
             head = model.heads[name]
             if head.stateful:  # attends over the exit's previous positions: run it over the whole sequences

@@ -57,7 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from hispec.distill.losses import auto_chunk_size, exit_states
+from hispec.distill.losses import auto_chunk_size, exit_states, topk_logprobs
 from hispec.io import DTYPES, atomic_write, dtype_name, write_json
 from hispec.model import base_identity
 
@@ -184,8 +184,7 @@ def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Te
     step = auto_chunk_size(adapter.vocab_size)
     ids, vals = [], []
     for a in range(0, final_normed.shape[0], step):
-        logp = torch.log_softmax(adapter.project(final_normed[a : a + step]).float(), dim=-1)
-        v, i = logp.topk(k, dim=-1)
+        i, v = topk_logprobs(adapter.project(final_normed[a : a + step]), k)
         ids.append(i.to(torch.int32))
         vals.append(v)
     return torch.cat(ids), torch.cat(vals)

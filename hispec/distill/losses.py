@@ -71,6 +71,14 @@ def exit_states(adapter, input_ids, position_ids, valid, exits: tuple[int, ...])
     return saved, adapter.final_norm(hidden)
 
 
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher logits `[n, V]` -> (its top-k ids `[n, k]` long, their log-probabilities `[n, k]` fp32), k capped at
+    V: the targets of the top-k + bucket KL (the feature cache and the probe store these)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return ids, vals
+
+
 def next_token_labels(input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """`[B, T]` -> `[B, T]` label of each position = the next token, IGNORE_INDEX where there is none."""
     labels = torch.full_like(input_ids, IGNORE_INDEX)
