@@ -57,7 +57,7 @@ from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
 from .heads import ExitHead
 from .distill.data import ROLES
 from .distill.generate import generate_rows
-from .distill.losses import TopkBucketKL, bucket_log_mass, exit_states, topk_logprobs
+from .distill.losses import TopkBucketKL, bucket_log_mass, exit_states, teacher_topk
 from .distill.losses import expected_tokens_per_round as iid_tokens_per_pass
 from .prompts import _from_record
 from .prompts import eos_ids as _eos_ids
@@ -503,7 +503,7 @@ class Features:
 
 def teacher_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits `[n, V]` -> (top-k ids `[n, k]`, their log-probabilities `[n, k]` fp32, argmax `[n]`)."""
-    ids, vals = topk_logprobs(logits, k)
+    ids, vals = teacher_topk(logits, k)
     return ids, vals, logits.float().argmax(-1)
 
 

@@ -57,7 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from hispec.distill.losses import auto_chunk_size, exit_states, topk_logprobs
+from hispec.distill.losses import auto_chunk_size, exit_states, teacher_topk
 from hispec.io import DTYPES, atomic_write, dtype_name, write_json
 from hispec.model import base_identity
 
@@ -179,12 +179,12 @@ def _same_spec(a: dict, b: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------------- build
 @torch.no_grad()
-def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _project_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`[n, H]` final normed features -> top-k ids `[n, k]` int32 and log-probs `[n, k]` fp32 (chunked over n)."""
     step = auto_chunk_size(adapter.vocab_size)
     ids, vals = [], []
     for a in range(0, final_normed.shape[0], step):
-        i, v = topk_logprobs(adapter.project(final_normed[a : a + step]), k)
+        i, v = teacher_topk(adapter.project(final_normed[a : a + step]), k)
         ids.append(i.to(torch.int32))
         vals.append(v)
     return torch.cat(ids), torch.cat(vals)
@@ -218,7 +218,7 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
         ids, valid, pos = ids.to(device), valid.to(device), pos.to(device)
         states, final = exit_states(adapter, ids, pos, valid, tuple(layers))
         flat = valid.reshape(-1)
-        t_ids, t_lp = _teacher_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
+        t_ids, t_lp = _project_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
         dest = torch.cat([torch.arange(int(offsets[j]), int(offsets[j + 1])) for j in batch])
         for layer in layers:
             hidden[layer][dest] = states[layer].reshape(-1, H)[flat].to(hidden_dtype).cpu()

@@ -71,7 +71,7 @@ def exit_states(adapter, input_ids, position_ids, valid, exits: tuple[int, ...])
     return saved, adapter.final_norm(hidden)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher logits `[n, V]` -> (its top-k ids `[n, k]` long, their log-probabilities `[n, k]` fp32), k capped at
     V: the targets of the top-k + bucket KL (the feature cache and the probe store these)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
