@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .io import atomic_dir, read_json, write_json, write_text
+from .latency import calibrate, predictions, write_calibration
 from .model import (
     HEADS_FILE,
     CheckpointError,
@@ -39,9 +40,11 @@ from .model import (
     HispecConfig,
     base_identity,
     check_base_matches,
+    load,
     load_base_model,
     load_tokenizer,
 )
+from .vocab import vocab_for_model
 
 TRAIN_FILE = "hispec_train.json"
 METRICS_FILE = "metrics.json"
@@ -321,8 +324,6 @@ hispec-bench --model {name} --prompts question.jsonl --strategies ar,self-spec,h
 or store a calibrated latency model in the checkpoint with `hispec-export ... --calibrate` (hispec then decodes
 with the hierarchy it predicts to be quickest on that machine, or plainly when none is).
 """
-    from .latency import predictions
-
     rows = predictions(calibration, fixed=_default_hierarchies(model))
     best = rows[-1]
     lines = ["| hierarchy | levels | gammas | predicted ms / token | predicted tok/s | vs plain decoding |",
@@ -595,9 +596,6 @@ def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: 
     """Load the checkpoint `folder`, calibrate the latency model on `prompts` on this machine, store it in
     config.json (atomically) and, given the model card's inputs (`card`: run, name, base_model, license,
     heads_only), rewrite README.md with the predicted speeds. Returns (calibration, prediction rows)."""
-    from .latency import calibrate, predictions, write_calibration
-    from .model import load
-
     folder = Path(folder)
     _log(f"calibrating the latency model on {len(prompts)} prompts (greedy answers of up to {max_new_tokens} "
          f"tokens, then unit costs)")
@@ -625,8 +623,6 @@ def default_vocab_data(run: TrainRun) -> list[Path]:
 
 def restrict_vocab(model: EarlyExitModel, run: TrainRun, draft_size: int | None, verify_size: int | None,
                    files=()) -> None:
-    from .vocab import vocab_for_model
-
     files = [Path(f) for f in files] or default_vocab_data(run)
     for f in files:
         if not Path(os.path.expandvars(str(f))).expanduser().is_file():

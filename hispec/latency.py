@@ -73,8 +73,10 @@ from pathlib import Path
 
 import torch
 
+from .heads import ContextInputs
 from .io import write_json
 from .ngram import NgramConfig, propose
+from .prompts import Prompt, render
 
 NGRAM, FULL = "ngram", "full"
 CALIBRATION_VERSION = 1
@@ -610,8 +612,6 @@ class KVBench:
 
         ctx = None
         if head.needs_context:  # its window of states: the cost depends on the window, not on the context length
-            from .heads import ContextInputs
-
             S = self.context + T
             states = [torch.randn(1, S, ad.hidden_size, generator=self.gen).to(ad.device, ad.dtype)
                       for _ in head.context_layers]
@@ -702,8 +702,6 @@ def _calibration_contexts(model, name: str, states: dict, T: int, gen: torch.Gen
 
 
 def _prompt_ids(model, prompt) -> list[int]:
-    from .prompts import Prompt, render
-
     if isinstance(prompt, torch.Tensor):
         return [int(x) for x in prompt.flatten().tolist()]
     if isinstance(prompt, (list, tuple)):

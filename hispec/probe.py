@@ -53,12 +53,12 @@ from pathlib import Path
 
 import torch
 
-from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
-from .heads import ExitHead
 from .distill.data import ROLES
 from .distill.generate import generate_rows
 from .distill.losses import TopkBucketKL, bucket_log_mass, exit_states, teacher_topk
 from .distill.losses import expected_tokens_per_round as iid_tokens_per_pass
+from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
+from .heads import ExitHead
 from .prompts import _from_record
 from .prompts import eos_ids as _eos_ids
 
