@@ -18,6 +18,7 @@ Nothing here contacts the Hub unless the base is a Hub id or a push is asked for
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -30,7 +31,8 @@ import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .io import atomic_dir, read_json
+from .io import atomic_dir, read_json, write_json, write_text
+from .latency import calibrate, predictions, write_calibration
 from .model import (
     HEADS_FILE,
     CheckpointError,
@@ -38,9 +40,11 @@ from .model import (
     HispecConfig,
     base_identity,
     check_base_matches,
+    load,
     load_base_model,
     load_tokenizer,
 )
+from .vocab import vocab_for_model
 
 TRAIN_FILE = "hispec_train.json"
 METRICS_FILE = "metrics.json"
@@ -320,8 +324,6 @@ hispec-bench --model {name} --prompts question.jsonl --strategies ar,self-spec,h
 or store a calibrated latency model in the checkpoint with `hispec-export ... --calibrate` (hispec then decodes
 with the hierarchy it predicts to be quickest on that machine, or plainly when none is).
 """
-    from .latency import predictions
-
     rows = predictions(calibration, fixed=_default_hierarchies(model))
     best = rows[-1]
     lines = ["| hierarchy | levels | gammas | predicted ms / token | predicted tok/s | vs plain decoding |",
@@ -594,9 +596,6 @@ def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: 
     """Load the checkpoint `folder`, calibrate the latency model on `prompts` on this machine, store it in
     config.json (atomically) and, given the model card's inputs (`card`: run, name, base_model, license,
     heads_only), rewrite README.md with the predicted speeds. Returns (calibration, prediction rows)."""
-    from .latency import calibrate, predictions, write_calibration
-    from .model import load
-
     folder = Path(folder)
     _log(f"calibrating the latency model on {len(prompts)} prompts (greedy answers of up to {max_new_tokens} "
          f"tokens, then unit costs)")
@@ -606,9 +605,7 @@ def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: 
     if card is not None:
         text = render_model_card(card["run"], model, name=card["name"], base_model=card["base_model"],
                                  license=card["license"], heads_only=card["heads_only"], calibration=cal)
-        tmp = folder / f".{CARD_FILE}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, folder / CARD_FILE)
+        write_text(folder / CARD_FILE, text)
     return cal, predictions(cal, fixed=_default_hierarchies(model))
 
 
@@ -626,8 +623,6 @@ def default_vocab_data(run: TrainRun) -> list[Path]:
 
 def restrict_vocab(model: EarlyExitModel, run: TrainRun, draft_size: int | None, verify_size: int | None,
                    files=()) -> None:
-    from .vocab import vocab_for_model
-
     files = [Path(f) for f in files] or default_vocab_data(run)
     for f in files:
         if not Path(os.path.expandvars(str(f))).expanduser().is_file():
@@ -707,3 +702,26 @@ __all__ = [
     "push_to_hub",
     "list_files",
 ]
+
+
+def write_decoding_defaults(folder: str | os.PathLike, setting, *, write_exits: bool = False) -> dict:
+    """Store gamma/window (and, when `write_exits`, the exits) in config.json's hispec entry, atomically.
+
+    `setting`: anything with `gamma`, `window`, `draft_layer`, `verify_layer` (a `hispec.bench.sweep.Setting`, the
+    sweep's best)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: --write-defaults needs a local hispec checkpoint folder")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if "hispec" not in cfg:
+        raise ValueError(f"{path} has no 'hispec' entry: --write-defaults needs a hispec checkpoint, not a base model")
+    hc = HispecConfig.from_dict(cfg["hispec"])  # read any format, write the current one (other keys kept)
+    hc.gamma = setting.gamma
+    if setting.window is not None:
+        hc.window = setting.window
+    if write_exits:
+        hc.draft_layer, hc.verify_layer = setting.draft_layer, setting.verify_layer or hc.verify_layer
+    h = {**cfg["hispec"], **hc.to_dict()}
+    cfg["hispec"] = h
+    write_json(path, cfg)
+    return h

@@ -1,4 +1,5 @@
-"""Small filesystem helpers: atomic folder writes and model-source resolution (local folder, Hub id, .gguf)."""
+"""Small shared helpers: the dtype table, atomic file and folder writes, model-source resolution (local folder,
+Hub id, .gguf), and the bf16 speed probe."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ DTYPES = {
 
 
 def parse_dtype(dtype) -> torch.dtype | None:
-    """'bf16' / 'float32' / torch.dtype / None -> torch.dtype or None; a clear error otherwise."""
+    """'bf16' / 'float32' / torch.dtype / None / 'auto' -> torch.dtype or None; a clear error otherwise."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str) and dtype.lower() in DTYPES:
@@ -27,6 +28,11 @@ def parse_dtype(dtype) -> torch.dtype | None:
     if dtype == "auto":
         return None
     raise ValueError(f"unknown dtype {dtype!r}; choose one of fp32, bf16, fp16")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (the name stored in manifests and configs)."""
+    return str(dtype).replace("torch.", "")
 
 
 @contextlib.contextmanager
@@ -60,18 +66,40 @@ def read_json(path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
-def write_json(path: str | os.PathLike, data: dict) -> None:
-    """Write `data` as indented JSON through a temporary sibling file + os.replace: a crash leaves the old file."""
+def atomic_write(path: str | os.PathLike, write) -> Path:
+    """Write a file through a temporary sibling + os.replace: `write(tmp_path)` fills the temporary file, which
+    then takes the final name in one rename (with the umask's usual permissions, not mkstemp's 0600). A crash
+    leaves the old file (or none) and no half-written one under the final name; the temporary file is removed on
+    error. The one atomic-file helper of the package (JSON, text, safetensors shards, model cards)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
+        write(Path(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """`text` to `path` atomically (see `atomic_write`), flushed to disk before the rename."""
+    def w(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    return atomic_write(path, w)
+
+
+def write_json(path: str | os.PathLike, data: dict) -> Path:
+    """Write `data` as indented JSON (and a final newline) atomically: a crash leaves the old file."""
+    return write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def resolve_file(name_or_path: str, filename: str, revision: str | None = None) -> str:

@@ -73,8 +73,10 @@ from pathlib import Path
 
 import torch
 
+from .heads import ContextInputs
 from .io import write_json
 from .ngram import NgramConfig, propose
+from .prompts import Prompt, render
 
 NGRAM, FULL = "ngram", "full"
 CALIBRATION_VERSION = 1
@@ -137,10 +139,19 @@ def interp(table: dict, T: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- calibration
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_fingerprint(device=None) -> dict:
     """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch."""
-    from .bench import cpu_model
-
     dev = torch.device(device) if device is not None else torch.device("cpu")
     fp = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": dev.type,
           "cuda_name": None, "torch": torch.__version__, "platform": platform.machine()}
@@ -601,8 +612,6 @@ class KVBench:
 
         ctx = None
         if head.needs_context:  # its window of states: the cost depends on the window, not on the context length
-            from .heads import ContextInputs
-
             S = self.context + T
             states = [torch.randn(1, S, ad.hidden_size, generator=self.gen).to(ad.device, ad.dtype)
                       for _ in head.context_layers]
@@ -693,8 +702,6 @@ def _calibration_contexts(model, name: str, states: dict, T: int, gen: torch.Gen
 
 
 def _prompt_ids(model, prompt) -> list[int]:
-    from .prompts import Prompt, render
-
     if isinstance(prompt, torch.Tensor):
         return [int(x) for x in prompt.flatten().tolist()]
     if isinstance(prompt, (list, tuple)):

@@ -52,17 +52,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from .distill.data import ROLES
+from .distill.generate import generate_rows
+from .distill.losses import TopkBucketKL, bucket_log_mass, exit_states, teacher_topk
+from .distill.losses import expected_tokens_per_round as iid_tokens_per_pass
 from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
 from .heads import ExitHead
 from .prompts import _from_record
+from .prompts import eos_ids as _eos_ids
 
 DEFAULT_HEAD_TYPES = ("shared", "norm", "linear")
 DEFAULT_TOP_K = 64
 EVAL_SET_MARKERS = ("spec_bench", "spec-bench", "specbench", "mt_bench", "mt-bench", "mtbench")
-_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
-         "model": "assistant", "chatgpt": "assistant", "system": "system"}
 
 
 class ProbeError(ValueError):
@@ -159,7 +161,7 @@ def _normalize_messages(turns) -> list[dict] | None:
     out = []
     for t in turns:
         if isinstance(t, dict):
-            role = _ROLE.get(str(t.get("role", t.get("from", ""))).lower())
+            role = ROLES.get(str(t.get("role", t.get("from", ""))).lower())
             content = t.get("content", t.get("value"))
         else:
             return None
@@ -392,42 +394,25 @@ class AnswerCache:
 
 
 def eos_ids(model, tokenizer) -> list[int]:
-    out = set()
-    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-        if src is None:
-            continue
-        out.update(src if isinstance(src, (list, tuple)) else [src])
-    return sorted(int(x) for x in out)
+    return sorted(_eos_ids(tokenizer, model.generation_config))
 
 
-@torch.no_grad()
 def generate_answers(model, prompts: list[list[int]], max_new_tokens: int, *, eos: list[int], pad_id: int,
                      batch_size: int = 16, progress: bool = False, on_batch=None) -> list[tuple[list[int], bool]]:
     """Greedy answers (new tokens up to and including the first EOS, and whether one came) for token-id prompts,
-    in length-sorted left-padded batches through the model's own `generate`."""
+    in length-sorted left-padded batches through the distillation core's batched generator."""
     from tqdm.auto import tqdm
-
-    from .prompts import left_pad
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[tuple[list[int], bool] | None] = [None] * len(prompts)
-    device = next(model.parameters()).device
     bar = tqdm(total=len(prompts), desc="answering prompts", unit="prompt", disable=not progress, dynamic_ncols=True)
     for a in range(0, len(order), batch_size):
         idx = order[a : a + batch_size]
-        ids, mask = left_pad([prompts[i] for i in idx], pad_id)
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=pad_id,
-                             eos_token_id=eos or None)
-        new = gen[:, ids.shape[1] :].cpu().tolist()
-        done = []
-        for i, row in zip(idx, new):
-            cut = next((j for j, t in enumerate(row) if t in eos), None)
-            res = (row[: cut + 1], True) if cut is not None else (row, False)
+        rows = generate_rows(model, [prompts[i] for i in idx], pad_id=pad_id, eos=eos, max_new_tokens=max_new_tokens)
+        for i, res in zip(idx, rows):
             out[i] = res
-            done.append((i, *res))
         if on_batch is not None:
-            on_batch(done)
+            on_batch([(i, *res) for i, res in zip(idx, rows)])
         bar.update(len(idx))
     bar.close()
     return out
@@ -518,9 +503,7 @@ class Features:
 
 def teacher_targets(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits `[n, V]` -> (top-k ids `[n, k]`, their log-probabilities `[n, k]` fp32, argmax `[n]`)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    k = min(k, logp.shape[-1])
-    vals, ids = logp.topk(k, dim=-1)
+    ids, vals = teacher_topk(logits, k)
     return ids, vals, logits.float().argmax(-1)
 
 
@@ -604,13 +587,13 @@ def _padded_batch(sequences: list[Sequence], batch: list[int], offsets: list[int
 def _frozen_passes(adapter, sequences: list[Sequence], offsets, layers, batch_tokens: int, desc: str,
                    progress: bool):
     """One frozen pass per length batch, shared by the probe and `--eval-heads`. Yields `(valid [B, T], rows, cols,
-    dest, saved {layer: [B, T, H]}, final [n_scored, H])`: the residual stream after each of `layers`, and the last
-    layer's output at the scored positions (`rows`, `cols`) that go to flat indices `dest`. Final logits are left
-    to the caller, chunked over scored positions only (a `[B, T, V]` tensor would not fit for long batches)."""
+    dest, saved {layer: [B, T, H]}, final [n_scored, H])`: the residual stream after each of `layers`, and the final
+    normed features at the scored positions (`rows`, `cols`) that go to flat indices `dest` -- the core's frozen pass
+    (`hispec.distill.losses.exit_states`). Final logits (`adapter.project`) are left to the caller, chunked over
+    scored positions only (a `[B, T, V]` tensor would not fit for long batches)."""
     from tqdm.auto import tqdm
 
     device = adapter.device
-    bounds = sorted({0, adapter.num_layers, *layers})
     bar = tqdm(total=len(sequences), desc=desc, unit="seq", disable=not progress, dynamic_ncols=True)
     for batch in _length_batches(sequences, batch_tokens):
         packed = _padded_batch(sequences, batch, offsets, device)
@@ -618,16 +601,9 @@ def _frozen_passes(adapter, sequences: list[Sequence], offsets, layers, batch_to
             ids, valid, rows_t, cols_t, dest_t = packed
             T = ids.shape[1]
             positions = torch.arange(T, device=device).expand(len(batch), T)
-            cache = adapter.new_cache(len(batch))
-            h = adapter.embed(ids, positions)
-            saved = {}
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                h = adapter.run_layers(h, a, b, position_ids=positions, cache=cache, valid=valid)
-                if b in layers:
-                    saved[b] = h
-            del cache
-            yield valid, rows_t, cols_t, dest_t, saved, h[rows_t, cols_t]
-            del saved, h
+            saved, normed = exit_states(adapter, ids, positions, valid, tuple(layers))
+            yield valid, rows_t, cols_t, dest_t, saved, normed[rows_t, cols_t]
+            del saved, normed
         bar.update(len(batch))
     bar.close()
 
@@ -651,7 +627,7 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
         for b, h in saved.items():
             hidden[b][dest_t] = h[rows_t, cols_t].to("cpu", feature_dtype)
         for c in range(0, final.shape[0], chunk):
-            ti, tl, tt = teacher_targets(adapter.final_logits(final[c : c + chunk]), k)
+            ti, tl, tt = teacher_targets(adapter.project(final[c : c + chunk]), k)
             d = dest_t[c : c + chunk]
             t_ids[d], t_logp[d], t_top[d] = ti.cpu(), tl.cpu(), tt.cpu()
     return Features(hidden, t_ids, t_logp, t_top, lay.next_token, lay.segment, lay.sequence, lay.category,
@@ -660,22 +636,13 @@ def extract_features(adapter, sequences: list[Sequence], layers: list[int], *, t
 
 # ---------------------------------------------------------------------------------------------------- heads
 def topk_kl(student_logits: torch.Tensor, t_ids: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
-    """Forward KL(teacher || student) per row over the teacher's top-k tokens plus one bucket for the rest.
+    """Forward KL(teacher || student) per row over the teacher's top-k tokens plus one bucket for the rest: the
+    core's fused `TopkBucketKL` (hispec.distill.losses, as the trainer's feature-cache loss).
 
     student_logits `[n, V]` (full vocabulary); t_ids `[n, k]`, t_logp `[n, k]` the teacher's top-k ids and
     log-probabilities. Returns `[n]` fp32. The student's bucket is exactly the mass of its other V - k tokens.
     """
-    logits = student_logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    lq_top = logits.gather(-1, t_ids) - lse[:, None]
-    p_top = t_logp.exp()
-    kl = (p_top * (t_logp - lq_top)).sum(-1)
-    if t_ids.shape[-1] < logits.shape[-1]:
-        p_rest = (1.0 - p_top.sum(-1)).clamp(min=0.0)
-        rest = logits.scatter(-1, t_ids, float("-inf"))
-        lq_rest = (torch.logsumexp(rest, dim=-1) - lse).clamp(min=-1e4)
-        kl = kl + torch.xlogy(p_rest, p_rest) - p_rest * lq_rest
-    return kl
+    return TopkBucketKL.apply(student_logits.float(), t_ids, t_logp.float(), bucket_log_mass(t_logp))[0]
 
 
 def make_head(head_type: str, adapter, rank: int = 64, seed: int = 0) -> ExitHead:
@@ -764,11 +731,6 @@ def tokens_per_pass(agree: torch.Tensor, segment: torch.Tensor, gamma: int) -> f
         t, p = simulate_rounds(part.tolist(), gamma)
         tokens, passes = tokens + t, passes + p
     return tokens / passes
-
-
-def iid_tokens_per_pass(alpha: float, gamma: int) -> float:
-    """Reference: (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d. acceptance alpha."""
-    return float(gamma + 1) if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 def top_vocab(tokens: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
@@ -1087,7 +1049,7 @@ def exit_head_predictions(model, sequences: list[Sequence], *, batch_tokens: int
     for valid, rows_t, cols_t, dest_t, saved, final in _frozen_passes(
             adapter, sequences, lay.offsets, list(exits.values()), batch_tokens, "evaluating heads", progress):
         for c in range(0, final.shape[0], chunk):
-            out["final"][dest_t[c : c + chunk]] = adapter.final_logits(final[c : c + chunk]).float().argmax(-1).cpu()
+            out["final"][dest_t[c : c + chunk]] = adapter.project(final[c : c + chunk]).float().argmax(-1).cpu()
         for name, layer in exits.items():
             head = model.heads[name]
             if head.stateful:  # attends over the exit's previous positions: run it over the whole sequences

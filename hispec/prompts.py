@@ -1,8 +1,10 @@
-"""Prompt files and chat rendering shared by the CLI, the benchmark and the tests.
+"""Prompt files, chat rendering and generated-row helpers shared by the CLI, the benchmark, the probe, the
+distillation data tools and the tests.
 
 `load_prompts(path)` reads Spec-Bench / MT-Bench `question.jsonl` (first turn, with its category), ShareGPT json
 (first human turn) or any jsonl/json with a `prompt` (or `text`/`instruction`) field, or plain text (one per line).
-`encode_prompts(tokenizer, prompts, chat=True)` renders them with the chat template and left-pads a batch.
+`encode_prompts(tokenizer, prompts, chat=True)` renders them with the chat template and left-pads a batch;
+`eos_ids` / `cut_at_eos` find a model's end-of-sequence ids and cut a generated row at the first one.
 """
 
 from __future__ import annotations
@@ -90,6 +92,27 @@ def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torc
         ids[i, width - len(r) :] = torch.tensor(r)
         mask[i, width - len(r) :] = 1
     return ids, mask
+
+
+def eos_ids(tokenizer=None, generation_config=None) -> list[int]:
+    """The end-of-sequence ids of a tokenizer and/or a generation config (either may be None, an id or a list),
+    each once, in that order."""
+    out: list[int] = []
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        for t in (src if isinstance(src, (list, tuple, set)) else [src]):
+            if t is not None and int(t) not in out:
+                out.append(int(t))
+    return out
+
+
+def cut_at_eos(tokens: list[int], eos, *, keep_eos: bool = True) -> tuple[list[int], bool]:
+    """`tokens` up to the first id in `eos` (including it when `keep_eos`), and whether one came: the one place
+    generated rows are cut at their end of sequence (benchmark, probe answers, self-distillation data)."""
+    eos = eos if isinstance(eos, (set, frozenset)) else set(eos)
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1] if keep_eos else tokens[:i], True
+    return tokens, False
 
 
 def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

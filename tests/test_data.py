@@ -1,5 +1,5 @@
-"""Training data (train/data.py): file formats, chat layouts, column errors, splits, packing, epoch order, plain-text
-sources and loss masks; the filters, dedup and template handling of self-written prompts (train/self_prompts.py)."""
+"""Training data (hispec/distill/data.py): file formats, chat layouts, column errors, splits, packing, epoch order, plain-text
+sources and loss masks; the filters, dedup and template handling of self-written prompts (hispec/distill/self_prompts.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.data import DataError, EpochSampler, PadCollator, load_examples, normalize_messages, prompt_of
+from hispec.distill.data import DataError, EpochSampler, PadCollator, load_examples, normalize_messages, prompt_of
 
 
 def _cfg(files, **kw):
@@ -65,7 +65,7 @@ def test_tokenize_pads_or_packs(tmp_path):
     from datasets import Dataset
 
     from test_train import char_tokenizer
-    from train.data import tokenize
+    from hispec.distill.data import tokenize
 
     tok = char_tokenizer()
     ds = Dataset.from_list([{"messages": [], "text": "abcdefghij"}, {"messages": [{"role": "user", "content": "xy"}],
@@ -91,7 +91,7 @@ def test_epoch_sampler_order_depends_only_on_seed_and_epoch():
 
 # ---------------------------------------------------------------------------------------------------- plain text
 def test_plain_text_sources_keep_whole_chats_pairs_and_text(tmp_path):
-    from train.data import load_plain_text
+    from hispec.distill.data import load_plain_text
 
     (tmp_path / "gsm.jsonl").write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"a{i}"}) + "\n"
                                                 for i in range(5)))
@@ -119,7 +119,7 @@ def test_loss_on_assistant_masks_exactly_the_reply_predictions():
     from datasets import Dataset
 
     from test_train import char_tokenizer
-    from train.data import tokenize
+    from hispec.distill.data import tokenize
 
     tok = char_tokenizer()
     msgs = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"},
@@ -153,7 +153,7 @@ def test_pad_collator_pads_the_loss_mask():
 
 # ---------------------------------------------------------------------------------------------------- self prompts
 def test_self_prompt_filters_and_dedup():
-    from train.self_prompts import TASK_CUES, DedupIndex, normalize_text, reject_reason
+    from hispec.distill.self_prompts import TASK_CUES, DedupIndex, normalize_text, reject_reason
 
     assert len(TASK_CUES) >= 50 and len(set(TASK_CUES)) == len(TASK_CUES)
     ok = "Write a Python function that reverses a linked list in place."
@@ -174,7 +174,7 @@ def test_self_prompt_filters_and_dedup():
 
 def test_chat_prefix_and_stop_tokens():
     from test_train import char_tokenizer
-    from train.self_prompts import chat_prefix, stop_token_ids
+    from hispec.distill.self_prompts import chat_prefix, stop_token_ids
 
     tok = char_tokenizer()
     assert chat_prefix(tok) == "<user>"
@@ -185,7 +185,7 @@ def test_chat_prefix_and_stop_tokens():
 def test_held_out_prompts_are_dropped_from_plain_text():
     from datasets import Dataset
 
-    from train.data import drop_overlap
+    from hispec.distill.data import drop_overlap
 
     plain = Dataset.from_list([
         {"messages": [{"role": "user", "content": "What is  2+2?"}, {"role": "assistant", "content": "4"}], "text": ""},

@@ -1,4 +1,4 @@
-"""Feature cache (train/features.py) on a tiny random model: shard contents equal the backbone's own exit states
+"""Feature cache (hispec/distill/features.py) on a tiny random model: shard contents equal the backbone's own exit states
 and final-layer top-k, batching does not change them, resume after a kill equals a straight build, a cache made
 for other data / missing layers is refused (one holding more layers is reused, also while resuming), the manifest
 comes last, the reader / collator rebuild the sequences, and the final layer's raw residual (what context heads
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tiny import tiny_model
-from train.features import (
+from hispec.distill.features import (
     MANIFEST,
     PLAN,
     CachedCollator,
@@ -101,7 +101,7 @@ class _Killed(Exception):
 
 
 def test_resume_after_kill_equals_straight_build(adapter, tmp_path, monkeypatch):
-    import train.features as tf
+    import hispec.distill.features as tf
 
     seqs = _sequences(9, seed=2)
     kw = dict(layers=(2, 4), k=3, shard_tokens=16, show_progress=False)
@@ -163,7 +163,7 @@ def test_cache_for_other_data_or_settings_is_refused_and_a_match_reused(adapter,
 def test_a_cache_with_more_layers_serves_fewer_and_the_final_residual_is_stored(adapter, tmp_path):
     """Layers (2, 4, 6 = num_layers) once: a run asking for (2, 4) reuses it as is; hidden.6 is the raw residual
     after the last layer (before the final norm), as `exit_states` saves it."""
-    from train.losses import exit_states
+    from hispec.distill.losses import exit_states
 
     seqs = _sequences(5, seed=5)
     folder = tmp_path / "c"
@@ -184,7 +184,7 @@ def test_a_cache_with_more_layers_serves_fewer_and_the_final_residual_is_stored(
 
 
 def test_resuming_a_partly_built_cache_of_more_layers_builds_all_of_them(adapter, tmp_path, monkeypatch):
-    import train.features as tf
+    import hispec.distill.features as tf
 
     seqs = _sequences(9, seed=6)
     kw = dict(k=3, shard_tokens=16, show_progress=False)

@@ -1,4 +1,4 @@
-"""Distillation loss (train/losses.py): KL against a reference, temperature, CE mix, chunking, padding; the
+"""Distillation loss (hispec/distill/losses.py): KL against a reference, temperature, CE mix, chunking, padding; the
 top-k + bucket loss used with cached features (exact at k = V, grouped KL below, finite at tiny remainders)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tiny import tiny_model
-from train.losses import (
+from hispec.distill.losses import (
     IGNORE_INDEX,
     bucket_log_mass,
     distill_loss,
@@ -91,7 +91,7 @@ def test_next_token_labels_skip_padding():
 
 def test_padding_does_not_change_the_loss():
     """A padded row in a batch gives the same per-token KL as the row alone (padding is ignored)."""
-    from train.heads import _batch_inputs
+    from hispec.distill.training import _batch_inputs
 
     model = tiny_model("llama")
     from hispec.model import EarlyExitModel
@@ -233,7 +233,7 @@ def test_topk_loss_checks_shapes():
 
 
 def test_fused_topk_kl_gradcheck_argmax_and_extreme_logits():
-    from train.losses import TopkBucketKL
+    from hispec.distill.losses import TopkBucketKL
 
     g = torch.Generator().manual_seed(5)
     s = torch.randn(4, 11, generator=g, dtype=torch.float64, requires_grad=True)

@@ -522,3 +522,35 @@ def test_eval_heads_bad_input_exit_2(model_dir, checkpoints, tmp_path, capsys, m
     assert rc == 2
     assert message in err
     assert out == ""
+
+
+def _approx_tree(expected):
+    """Nested pytest.approx: floats to 1e-4 relative (the JSON rounds them to 5 digits), the rest exactly."""
+    if isinstance(expected, dict):
+        return {k: _approx_tree(v) for k, v in expected.items()}
+    if isinstance(expected, list):
+        return [_approx_tree(v) for v in expected]
+    if isinstance(expected, float):
+        return pytest.approx(expected, rel=1e-4, abs=2e-5)
+    return expected
+
+
+def test_cli_figures_unchanged_since_before_the_distill_core(model_dir, tmp_path, capsys):
+    """tests/fixtures/probe-53f8a82.json holds the probe's result JSON (all but timings and the model's path) as
+    computed by the code of commit 53f8a82, before the probe moved onto hispec.distill, for these inputs: a plain
+    run, then one with draft vocabularies reading the cached answers."""
+    from pathlib import Path
+
+    expected = json.loads((Path(__file__).parent / "fixtures" / "probe-53f8a82.json").read_text())
+    data = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    for name, extra in (("default", []), ("vocab", ["--draft-vocab-sizes", "10,40"])):
+        argv = ["--model", model_dir, "--data", data, "--eval-fraction", "0.34", "--max-new-tokens", "12",
+                "--layers", "2,5", "--head-types", "shared,norm,linear", "--steps", "4", "--batch-tokens", "32",
+                "--cache-dir", tmp_path / "cache", "--json-out", tmp_path / f"{name}.json", "--no-progress",
+                "--seed", "1", *extra]
+        rc, _, err = _run(capsys, argv)
+        assert rc == 0, err
+        res = json.loads((tmp_path / f"{name}.json").read_text())
+        res.pop("seconds", None)
+        res["model"].pop("path", None)
+        assert res == _approx_tree(expected[name]), name

@@ -141,6 +141,18 @@ class _Killed(Exception):
     pass
 
 
+def _assert_same_run(straight, resumed):
+    """The resumed run ended with the straight run's heads (bit for bit), evaluation steps and final metrics."""
+    a, b = _heads(straight), _heads(resumed)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ma = json.loads((straight / "metrics.json").read_text())
+    mb = json.loads((resumed / "metrics.json").read_text())
+    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == [0, 3, 6, 9]
+    assert mb["final"] == ma["final"]
+
+
 def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
     """9 steps straight vs. killed after step 5 + `--resume_from_checkpoint latest` (from step 4, mid-epoch,
     with gradient accumulation and an epoch boundary after it): identical heads, bit for bit."""
@@ -170,14 +182,7 @@ def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="already holds a run"):
         _run(_argv(env, killed, *common))  # refuses to silently start over
     assert _run(_argv(env, killed, *common, "--resume_from_checkpoint", "latest")) == 0
-    a, b = _heads(straight), _heads(killed)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    ma = json.loads((straight / "metrics.json").read_text())
-    mb = json.loads((killed / "metrics.json").read_text())
-    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == [0, 3, 6, 9]
-    assert mb["final"] == ma["final"]
+    _assert_same_run(straight, killed)
     # save_total_limit (3) keeps the newest checkpoints only
     assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")) == [
         "step_4", "step_6", "step_8"]
@@ -301,7 +306,7 @@ def _cache_argv(env, out, cache, pairs, *extra):
 
 
 def test_feature_cache_data_only_then_training(env, pairs_file, tmp_path, capsys):
-    from train.features import open_feature_cache
+    from hispec.distill.features import open_feature_cache
 
     cache, out = tmp_path / "cache", tmp_path / "run"
     assert _run(_cache_argv(env, out, cache, pairs_file, "--data_only", "true")) == 0
@@ -356,6 +361,22 @@ def test_training_from_a_full_vocabulary_fp32_cache_equals_training_on_the_fly(e
         torch.testing.assert_close(ha[k], hb[k], rtol=1e-3, atol=atol)
 
 
+def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path):
+    """tests/fixtures/resume-53f8a82/step_4 was written by the trainer as of commit 53f8a82 (before the
+    distillation core moved to hispec/distill/) in the run of the test above, killed after step 5; resuming it
+    with today's trainer ends with the same heads and metrics as an uninterrupted run."""
+    import shutil
+
+    common = ("--max_steps", "9", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
+              "--eval_steps", "3", "--learning_rate", "1e-2")
+    straight = tmp_path / "straight"
+    assert _run(_argv(env, straight, *common)) == 0
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "tests" / "fixtures" / "resume-53f8a82", old / "checkpoints")
+    assert _run(_argv(env, old, *common, "--resume_from_checkpoint", "latest")) == 0
+    _assert_same_run(straight, old)
+
+
 def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):
     import train.heads as th
 
@@ -406,7 +427,7 @@ def plain_model(tmp_path_factory):
 
 def test_generation_dtype_restores_the_weights_bit_for_bit():
     from tiny import tiny_model
-    from train.generate_data import generation_dtype
+    from hispec.distill.answers import generation_dtype
 
     model = tiny_model("llama")
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.named_parameters()}
@@ -419,14 +440,14 @@ def test_generation_dtype_restores_the_weights_bit_for_bit():
 
 
 def _sp_args(**kw):
-    from train.self_prompts import SelfPromptArguments
+    from hispec.distill.self_prompts import SelfPromptArguments
 
     return SelfPromptArguments(**{"self_prompt_batch_size": 4, "self_prompt_max_new_tokens": 32, **kw})
 
 
 def test_self_prompts_are_deterministic_and_resume_after_a_torn_batch(plain_model, tmp_path):
     from hispec.model import load_base_model
-    from train.self_prompts import SelfPromptError, generate_self_prompts, read_self_prompts
+    from hispec.distill.self_prompts import SelfPromptError, generate_self_prompts, read_self_prompts
 
     model, tok = load_base_model(str(plain_model)), char_tokenizer()
     a, b = tmp_path / "a", tmp_path / "b"
@@ -451,7 +472,7 @@ def test_self_prompts_are_deterministic_and_resume_after_a_torn_batch(plain_mode
 
 def test_self_prompt_cue_file_is_used_recorded_and_checked(plain_model, tmp_path):
     from hispec.model import load_base_model
-    from train.self_prompts import SelfPromptError, generate_self_prompts, load_cues, validate_args
+    from hispec.distill.self_prompts import SelfPromptError, generate_self_prompts, load_cues, validate_args
 
     cues = tmp_path / "cues.txt"
     cues.write_text("# comment\n\nTranslate from German to English:\\n\\n\nSummarize:\n")
@@ -477,7 +498,7 @@ def test_self_prompt_cue_file_is_used_recorded_and_checked(plain_model, tmp_path
 
 
 def test_self_written_prompts_answered_in_bf16_and_trained_on(plain_model, tmp_path):
-    from train.data import prompt_id
+    from hispec.distill.data import prompt_id
 
     out = tmp_path / "run"
     assert _run(["--model_name_or_path", str(plain_model), "--self_prompts", "8", "--self_distill", "true",
@@ -575,7 +596,7 @@ def test_smollm2_self_distill_smoke(demo_model_dir, tmp_path):
 def test_smollm2_writes_its_own_prompts(demo_model_dir, tmp_path):
     """SmolLM2 in bf16 writes instructions that end at <|im_end|>; the prefix stops where the user content starts."""
     from hispec.model import load_base_model, load_tokenizer
-    from train.self_prompts import chat_prefix, generate_self_prompts, read_self_prompts, stop_token_ids
+    from hispec.distill.self_prompts import chat_prefix, generate_self_prompts, read_self_prompts, stop_token_ids
 
     model, tok = load_base_model(str(demo_model_dir)), load_tokenizer(str(demo_model_dir))
     assert chat_prefix(tok).endswith("<|im_end|>\n<|im_start|>user\n")

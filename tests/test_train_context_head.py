@@ -23,7 +23,7 @@ def _cache_argv(env, out, cache, pairs, *extra):  # noqa: F811
 
 
 def test_distance_draws_respect_the_ranges_and_are_reproducible():
-    from train.heads import distance_sampler, draw_distances, fixed_distances
+    from hispec.distill.training import distance_sampler, draw_distances, fixed_distances
 
     ranges = {"draft": (2, 7), "verify": (1, 8), "mid": (1, 4)}
     f = distance_sampler(ranges, torch.Generator().manual_seed(0))
@@ -54,7 +54,8 @@ def test_distance_draws_respect_the_ranges_and_are_reproducible():
      {"draft": [2, 5], "verify": [1, 3], "mid": None}),
 ])
 def test_distance_ranges_follow_the_decoding_settings(env, tmp_path, extra, ranges):  # noqa: F811
-    from train.heads import context_ranges, parse_args
+    from hispec.distill.args import parse_args
+    from hispec.distill.training import context_ranges
 
     m, d, g, t = parse_args(_argv(env, tmp_path / "r", *CTX, *extra))
     got = context_ranges(m, t)
@@ -159,7 +160,7 @@ def test_context_training_from_a_full_vocabulary_fp32_cache_equals_training_on_t
 def test_a_cache_without_the_final_states_is_refused_before_any_work(env, pairs_file, tmp_path,  # noqa: F811
                                                                      monkeypatch):
     import train.heads as th
-    from train.features import open_feature_cache
+    from hispec.distill.features import open_feature_cache
 
     cache = tmp_path / "cache"
     assert _run(_cache_argv(env, tmp_path / "lin", cache, pairs_file, "--draft_layer", "2", "--verify_layer", "4",
@@ -179,7 +180,7 @@ def test_a_cache_without_the_final_states_is_refused_before_any_work(env, pairs_
 def test_one_cache_with_final_states_trains_linear_and_context_heads_and_context_resume(env, pairs_file, tmp_path,
                                                                                        monkeypatch):  # noqa: F811
     import train.heads as th
-    from train.features import open_feature_cache
+    from hispec.distill.features import open_feature_cache
 
     cache = tmp_path / "cache"
     common = ("--max_steps", "7", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",

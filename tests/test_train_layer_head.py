@@ -69,7 +69,7 @@ def test_lora_needs_layer_heads(env, tmp_path):  # noqa: F811
 
 
 def test_left_padded_rebuilds_whole_sequences_in_loss_order():
-    from train.heads import _left_padded
+    from hispec.distill.training import _left_padded
 
     lengths = [3, 1, 4]
     offsets = torch.tensor([0, 3, 4, 8])

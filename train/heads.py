@@ -9,17 +9,17 @@ line wins. `python train/heads.py --help` lists every field. The same entry poin
 processes (gloo), DDP and DeepSpeed ZeRO-2/3: choose an `accelerate` config from recipes/accelerate/.
 
 What it does: loads the base model (Hub id, folder or .gguf; a LoRA adapter is merged first), freezes it and adds
-two heads (`draft_layer`, `verify_layer`). Data, all optional and mixed (train/data.py):
+two heads (`draft_layer`, `verify_layer`). Data, all optional and mixed (hispec/distill/data.py):
 - prompts from files / a Hub dataset (`train_file`, `dataset_name`), plus `self_prompts: N` instructions the
-  model writes itself (train/self_prompts.py, resumable); with `self_distill` the model answers all of them
-  (train/generate_data.py, resumable, `gen_dtype: bf16` to generate in bf16) and the heads train on its answers;
+  model writes itself (hispec/distill/self_prompts.py, resumable); with `self_distill` the model answers all of them
+  (hispec/distill/answers.py, resumable, `gen_dtype: bf16` to generate in bf16) and the heads train on its answers;
 - `plain_text_file`: text distilled teacher-forced, nothing generated (whole chats, question + reference answer,
   .txt / .jsonl text); `plain_text_loss_on: assistant` limits the loss to assistant replies.
 Without a feature cache each step runs the backbone once without grad, giving the hidden states at both exits and
-the final features; both heads learn forward KL(p_final || p_exit) in one pass (train/losses.py, chunked over
+the final features; both heads learn forward KL(p_final || p_exit) in one pass (hispec/distill/losses.py, chunked over
 tokens). With `feature_cache: DIR` the backbone runs ONCE over the tokenized training and held-out sequences and
 writes their exit hidden states and the final layer's top-k next-token distribution to DIR/train and DIR/eval
-(train/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
+(hispec/distill/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
 those instead of running the backbone and learn the "top-k + bucket" KL (`topk_distill_loss`, temperature 1),
 so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
 offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the
@@ -60,13 +60,42 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `train` and `hispec` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.self_prompts import SelfPromptArguments  # noqa: E402  (dataclasses only; no torch at import)
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.utils.data import DataLoader, SequentialSampler  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from hispec.distill import data as tdata  # noqa: E402
+from hispec.distill.answers import generate_responses, generation_dtype, prompts_from, read_responses  # noqa: E402
+from hispec.distill.args import (  # noqa: E402
+    LR_SCHEDULES, TRAINABLE_HEADS, ConfigError, DataArguments, GenerationArguments, ModelArguments,
+    TrainArguments, build_parser, parse_args,
+)
+from hispec.distill.data import LOSS_ON, DataError, builder_for, expand_path  # noqa: E402
+from hispec.distill.features import (  # noqa: E402
+    CachedCollator, CachedSequences, FeatureCacheError, build_feature_cache, check_cache_layers, model_identity,
+    write_manifest,
+)
+from hispec.distill.self_prompts import SelfPromptError, ensure_self_prompts, validate_args  # noqa: E402
+from hispec.distill.training import (  # noqa: E402
+    HeadsForTraining, _distance_seed, _loss_fn, context_ranges, context_settings, distance_sampler, evaluate,
+    format_agreement, lr_at,
+)
+from hispec import io as hio  # noqa: E402  (hio.matmul_speed_ratio looked up per call: tests replace it)
+from hispec.heads import HEAD_TYPES  # noqa: E402
+from hispec.io import DTYPES, atomic_write, parse_dtype, write_json  # noqa: E402
+from hispec.layers import DecoderAdapter  # noqa: E402
+from hispec.model import EarlyExitModel, default_exits, load_base_model, load_tokenizer, validate_exits  # noqa: E402
+
+__all__ = ["ConfigError", "DataArguments", "GenerationArguments", "ModelArguments", "TrainArguments", "build_parser",
+           "main", "parse_args"]
 
 logger = logging.getLogger("hispec.train")
 
@@ -75,251 +104,8 @@ TRAIN_INFO_FILE = "hispec_train.json"
 METRICS_FILE = "metrics.json"
 STATE_FILE = "hispec_state.json"
 CHECKPOINTS = "checkpoints"
-TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer", "context")
-EVAL_DISTANCES = (1, 2, 3, 4)  # frontier distances at which context heads are evaluated (metrics.json)
-LR_SCHEDULES = ("constant", "linear", "cosine")
 # Benchmarks this project evaluates on: never training data (design.md §8).
 EVAL_ONLY_FILES = ("spec_bench_question.jsonl", "mt_bench_question.jsonl")
-
-
-class ConfigError(ValueError):
-    """The run configuration is unusable; raised before any training, with what to change."""
-
-
-# ---------------------------------------------------------------------------------------------------- config
-@dataclass
-class ModelArguments:
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Base model: Hub id, local HF folder or .gguf file (~ and $VARS expanded)."}
-    )
-    revision: str | None = field(default=None, metadata={"help": "Hub revision of the base model."})
-    dtype: str = field(
-        default="auto", metadata={"help": "Backbone dtype: auto, fp32, bf16 or fp16 (heads train in fp32)."}
-    )
-    adapter_name_or_path: str | None = field(
-        default=None, metadata={"help": "A LoRA adapter (peft) merged into the base model before training."}
-    )
-    draft_layer: int | None = field(
-        default=None, metadata={"help": "Draft exit: hidden state after this many layers (default round(depth/8))."}
-    )
-    verify_layer: int | None = field(
-        default=None, metadata={"help": "Intermediate-verifier exit (default round(depth/4))."}
-    )
-    head_type: str = field(default="linear", metadata={"help": f"Exit head type: {', '.join(TRAINABLE_HEADS)}."})
-    head_rank: int = field(default=64, metadata={"help": "Rank of 'lowrank' heads."})
-    head_lora_rank: int = field(
-        default=0, metadata={"help": "'layer' heads: train the copied decoder layer through LoRA of this rank (peft; "
-                                     "0 = train it fully). Norm and residual adapter always train fully."}
-    )
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha of 'layer' heads (hispec-export merges)."})
-    context_window: int = field(
-        default=16, metadata={"help": "'context' heads: positions <= t each query attends over (hispec.heads)."}
-    )
-    context_heads: int = field(default=4, metadata={"help": "'context' heads: attention heads."})
-    context_head_dim: int | None = field(
-        default=None, metadata={"help": "'context' heads: dimension per attention head (default min(64, H / heads))."}
-    )
-    context_mlp_mult: int = field(default=2, metadata={"help": "'context' heads: MLP width as a multiple of H."})
-    context_mid: bool = field(
-        default=False, metadata={"help": "'context' heads: the draft head also reads the verifier exit's states of "
-                                         "positions the verifier passed (hispec's draft > verify > full)."}
-    )
-    attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
-
-
-@dataclass
-class DataArguments(SelfPromptArguments):
-    train_file: list[str] = field(
-        default_factory=list, metadata={"help": "Local training files (json, jsonl, parquet, txt); several allowed."}
-    )
-    dataset_name: str | None = field(default=None, metadata={"help": "A Hugging Face Hub dataset to train on."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Config name of --dataset_name."})
-    dataset_split: str = field(default="train", metadata={"help": "Split of --dataset_name."})
-    text_column: str = field(
-        default="text", metadata={"help": "Column of plain text (a user prompt when self_distill)."}
-    )
-    messages_column: str = field(
-        default="messages",
-        metadata={"help": "Column of chats ({role, content} or ShareGPT {from, value} turns), used where present."},
-    )
-    max_samples_per_file: int | None = field(
-        default=None, metadata={"help": "Keep at most this many rows of each source."}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep at most this many training rows."})
-    eval_file: list[str] = field(
-        default_factory=list, metadata={"help": "Held-out files; default: an eval_fraction split."}
-    )
-    eval_fraction: float = field(default=0.05, metadata={"help": "Share of training rows held out for evaluation."})
-    max_eval_samples: int | None = field(default=64, metadata={"help": "Keep at most this many held-out rows."})
-    max_seq_length: int = field(default=512, metadata={"help": "Tokens per training sequence (truncate or pack)."})
-    packing: bool = field(
-        default=False, metadata={"help": "Pack sequences into max_seq_length blocks instead of padding."}
-    )
-    self_distill: bool = field(
-        default=False, metadata={"help": "First let the model answer the prompts itself; train on its own answers."}
-    )
-    self_distill_dir: str | None = field(
-        default=None, metadata={"help": "Where answers are written/reused (default output_dir/self_distill)."}
-    )
-    plain_text_file: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Files distilled teacher-forced on every position, nothing generated: chats (all turns), "
-                          "text_column + plain_text_answer_column pairs, plain text (json/jsonl/parquet/txt)."},
-    )
-    plain_text_loss_on: str = field(
-        default="all", metadata={"help": "Plain-text loss positions: all, or assistant (chat replies only)."}
-    )
-    plain_text_answer_column: str | None = field(
-        default="answer",
-        metadata={"help": "Plain text: a column that, next to text_column, makes a user + assistant chat."},
-    )
-    plain_text_max_samples_per_file: int | None = field(
-        default=None, metadata={"help": "Keep at most this many rows of each plain-text file."}
-    )
-    feature_cache: str | None = field(
-        default=None,
-        metadata={"help": "Folder of cached backbone features (built first if missing; train from it): exit hidden "
-                          "states + the final layer's top-k distribution, see train/features.py."},
-    )
-    feature_cache_k: int = field(default=64, metadata={"help": "Teacher tokens kept per position in the cache."})
-    feature_cache_final_states: bool = field(
-        default=False,
-        metadata={"help": "Also cache the final layer's raw residual (hidden.<num_layers>), which 'context' heads "
-                          "read (always on for them): one cache then trains linear and context heads alike."},
-    )
-    feature_cache_dtype: str = field(default="bf16", metadata={"help": "Dtype of cached hidden states: bf16 or fp32."})
-    feature_cache_backbone_dtype: str = field(
-        default="auto",
-        metadata={"help": "Dtype the backbone runs in while building the cache: auto (as loaded), fp32, bf16, fp16 "
-                          "(bf16: ~2.5x faster on this CPU; the teacher is then the bf16 model's)."},
-    )
-    feature_cache_shard_tokens: int = field(default=65536, metadata={"help": "Tokens per cache shard file."})
-    feature_cache_batch_tokens: int = field(
-        default=4096, metadata={"help": "Padded tokens per backbone pass while building the cache."}
-    )
-
-
-def _gen_fields():
-    from train.generate_data import GenerationArguments
-
-    return GenerationArguments
-
-
-@dataclass
-class TrainArguments:
-    output_dir: str = field(default="runs/heads", metadata={"help": "Run folder: checkpoints/, heads, metrics."})
-    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh even if output_dir holds a run."})
-    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; > 0 overrides num_train_epochs."})
-    num_train_epochs: int = field(default=1, metadata={"help": "Passes over the training data (if max_steps <= 0)."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-batch."})
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per process per eval batch."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    max_grad_norm: float = field(
-        default=1.0, metadata={"help": "Gradient clipping norm (0 = off; DeepSpeed: its JSON)."}
-    )
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"LR schedule: {', '.join(LR_SCHEDULES)}."})
-    warmup_steps: int = field(default=0, metadata={"help": "Linear LR warm-up, in optimizer steps."})
-    temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T (loss scaled by T^2)."})
-    ce_weight: float = field(
-        default=0.0, metadata={"help": "Weight of next-token cross-entropy mixed into the KL, in [0, 1]."}
-    )
-    loss_chunk_size: int = field(
-        default=0, metadata={"help": "Tokens per logits chunk in the loss (0 = auto: <= 32M logits)."}
-    )
-    loss_dtype: str = field(
-        default="auto",
-        metadata={"help": "Dtype of the frozen lm_head matmuls in the loss: auto (the backbone's), fp32, bf16, fp16; "
-                          "softmax and KL stay fp32 (bf16: ~2x faster steps on this CPU)."},
-    )
-    seed: int = field(default=42, metadata={"help": "Seed of data order, head init and sampling."})
-    checkpointing_steps: int = field(
-        default=0, metadata={"help": "Save the training state every N optimizer steps (0 = never)."}
-    )
-    save_total_limit: int | None = field(
-        default=3, metadata={"help": "Keep only the newest N checkpoints (none = all)."}
-    )
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "A checkpoint folder, or 'latest' (newest in output_dir/checkpoints; none: fresh start)."},
-    )
-    eval_steps: int = field(
-        default=0, metadata={"help": "Evaluate every N optimizer steps (0 = only before and after)."}
-    )
-    eval_at_start: bool = field(default=True, metadata={"help": "Evaluate the untrained heads before training."})
-    gamma: int = field(
-        default=4, metadata={"help": "Drafts per round: for expected tokens per round and the saved config."}
-    )
-    window: int = field(default=4, metadata={"help": "Decoding window N_i recorded in the saved hispec config."})
-    context_draft_distance: list[int] = field(
-        default_factory=list,
-        metadata={"help": "'context' heads: LO HI, the range (inclusive) the draft head's distance to the verified "
-                          "frontier is drawn from, uniformly per position and step (default: 1 gamma+window-1 when "
-                          "the recipe or command line sets gamma or window, as hispec decoding produces; else 1 4)."},
-    )
-    context_verify_distance: list[int] = field(
-        default_factory=list,
-        metadata={"help": "'context' heads: LO HI for the verifier head (default 1 gamma+window, else 1 8)."},
-    )
-    context_mid_distance: list[int] = field(
-        default_factory=list,
-        metadata={"help": "'context' heads with context_mid: LO HI of the draft's distance to the verifier's "
-                          "frontier, drawn <= its final distance (default 1 gamma, else 1 4)."},
-    )
-    logging_steps: int = field(default=10, metadata={"help": "Log to the trackers every N optimizer steps."})
-    data_only: bool = field(
-        default=False, metadata={"help": "Prepare the data (prompts, answers, feature cache), then exit untrained."}
-    )
-    report_to: str = field(
-        default="none", metadata={"help": "accelerate trackers: none, all, tensorboard, wandb, ... (comma-separated)."}
-    )
-
-
-def build_parser():
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser((ModelArguments, DataArguments, _gen_fields(), TrainArguments))
-    parser.add_argument("--config", default=None, help="A YAML recipe giving defaults for any field (CLI wins).")
-    return parser
-
-
-def parse_args(argv=None):
-    """argv -> (ModelArguments, DataArguments, GenerationArguments, TrainArguments); YAML defaults, CLI wins."""
-    import argparse
-
-    import yaml
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    known, _ = pre.parse_known_args(argv)
-    parser = build_parser()
-    if known.config:
-        path = Path(os.path.expanduser(known.config))
-        if not path.is_file():
-            raise ConfigError(f"recipe {known.config} does not exist")
-        recipe = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(recipe, dict):
-            raise ConfigError(f"recipe {known.config} must be a mapping of field: value")
-        names = {f.name for dc in parser.dataclass_types for f in fields(dc)}
-        unknown = sorted(set(recipe) - names)
-        if unknown:
-            raise ConfigError(f"recipe {known.config}: unknown field(s) {unknown}; see `train/heads.py --help`")
-        for key in ("train_file", "eval_file", "plain_text_file"):
-            if isinstance(recipe.get(key), str):
-                recipe[key] = [recipe[key]]
-        parser.set_defaults(**recipe)
-        given = set(recipe)
-    else:
-        given = set()
-    given |= {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    try:
-        *dcs, extra = parser.parse_args_into_dataclasses(args=argv)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    dcs[-1].decoding_given = bool(given & {"gamma", "window"})  # context distances follow them (context_ranges)
-    return tuple(dcs)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -347,48 +133,10 @@ def _complete_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def lr_at(step: int, total: int, cfg: TrainArguments) -> float:
-    """Learning rate for optimizer step `step` (0-based) of `total`: warm-up, then constant / linear / cosine."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    if cfg.lr_scheduler_type == "constant":
-        return cfg.learning_rate
-    span = max(1, total - cfg.warmup_steps)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.lr_scheduler_type == "linear":
-        return cfg.learning_rate * (1.0 - frac)
-    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-
-def _atomic_write_bytes(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # some writers create 0600 files
-    os.replace(tmp, path)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    def w(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    _atomic_write_bytes(path, w)
-
-
 def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     """Settings asking for bf16/fp16 on a CPU where that dtype's matmuls are much slower than fp32 (no native
     bf16 instructions): a logged warning each (a 2-core AVX2-only EPYC ran the bf16 feature cache 6x slower than
     fp32). Returns the warnings."""
-    import torch
-
-    from hispec.io import matmul_speed_ratio
-    from train.generate_data import parse_gen_dtype
-
     if torch.cuda.is_available():
         return []
     asked = {"gen_dtype": g.gen_dtype, "loss_dtype": t.loss_dtype}
@@ -397,11 +145,11 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
     ratios: dict = {}  # measured once per dtype
     out = []
     for key, name in asked.items():
-        dtype = parse_gen_dtype(name)
+        dtype = parse_dtype(name)
         if dtype not in (torch.bfloat16, torch.float16):
             continue
         if dtype not in ratios:
-            ratios[dtype] = matmul_speed_ratio(dtype)
+            ratios[dtype] = hio.matmul_speed_ratio(dtype)
         if ratios[dtype] > 2.0:
             out.append(f"{key}={name}: on this CPU ({torch.backends.cpu.get_cpu_capability()}) {name} matmuls run "
                        f"{ratios[dtype]:.0f}x slower than fp32; set {key}: fp32 (bf16 only pays on CPUs with native "
@@ -413,8 +161,6 @@ def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
 
 def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=None) -> None:
     """Checks that need no model: raise ConfigError with what to change."""
-    from hispec.heads import HEAD_TYPES
-
     if not m.model_name_or_path:
         raise ConfigError("model_name_or_path is required (a Hub id, a local folder or a .gguf file)")
     if m.head_type not in HEAD_TYPES:
@@ -429,8 +175,6 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
     if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
         raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt), --dataset_name, "
                           "--self_prompts N and/or --plain_text_file")
-    from train.data import LOSS_ON, DataError, builder_for, expand_path
-    from train.self_prompts import SelfPromptError, validate_args
 
     for f in [*d.train_file, *d.eval_file, *d.plain_text_file]:
         p = expand_path(f)
@@ -453,29 +197,26 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         raise ConfigError("self_distill needs prompts: give --train_file, --dataset_name or --self_prompts N")
     if d.plain_text_loss_on not in LOSS_ON:
         raise ConfigError(f"unknown plain_text_loss_on '{d.plain_text_loss_on}'; choose one of {', '.join(LOSS_ON)}")
-    from train.generate_data import parse_gen_dtype
 
     if g is not None:
         try:
-            parse_gen_dtype(g.gen_dtype)
+            parse_dtype(g.gen_dtype)
         except ValueError as e:
             raise ConfigError(f"gen_dtype: {e}") from e
     try:
-        parse_gen_dtype(t.loss_dtype)
+        parse_dtype(t.loss_dtype)
     except ValueError as e:
         raise ConfigError(f"loss_dtype: {e}") from e
     if d.feature_cache:
-        from train.features import HIDDEN_DTYPES
-
         if t.temperature != 1.0:
             raise ConfigError(f"the feature cache stores the teacher at temperature 1; set temperature: 1.0 "
                               f"(got {t.temperature}) or train without feature_cache")
         if d.feature_cache_k < 1:
             raise ConfigError(f"feature_cache_k must be >= 1, got {d.feature_cache_k}")
-        if d.feature_cache_dtype not in HIDDEN_DTYPES:
+        if d.feature_cache_dtype not in DTYPES:
             raise ConfigError(f"unknown feature_cache_dtype '{d.feature_cache_dtype}'; choose bf16, fp16 or fp32")
         try:
-            parse_gen_dtype(d.feature_cache_backbone_dtype)
+            parse_dtype(d.feature_cache_backbone_dtype)
         except ValueError as e:
             raise ConfigError(f"feature_cache_backbone_dtype: {e}") from e
         for name in ("feature_cache_shard_tokens", "feature_cache_batch_tokens"):
@@ -511,59 +252,6 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         )
 
 
-def context_settings(m: ModelArguments) -> dict:
-    """The `context` dict `EarlyExitModel.from_base` takes (hispec.heads.CONTEXT_DEFAULTS keys)."""
-    out = {"window": m.context_window, "heads": m.context_heads, "head_dim": m.context_head_dim,
-           "mlp_mult": m.context_mlp_mult}
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def context_ranges(m: ModelArguments, t: TrainArguments) -> dict | None:
-    """Distance ranges (inclusive) that training draws each position's frontier distance from, like decoding
-    produces them (design.md §4): {"draft": (lo, hi), "verify": (lo, hi), "mid": (lo, hi) or None}; None for other
-    head types. Measured in hispec's decoder: with gamma g and window N a draft sits 1..g positions past the
-    verified frontier in self-spec, 1..N+g-1 in hispec (1..g past the verifier's), and the verifier's queries
-    1..N+g. Defaults follow the recipe's gamma / window when it sets them, else draft 1..4, verifier 1..8 (mid
-    1..4). Raises ConfigError for unusable settings."""
-    ctx_fields = ("context_draft_distance", "context_verify_distance", "context_mid_distance")
-    if m.head_type != "context":
-        if m.context_mid or any(getattr(t, f) for f in ctx_fields):
-            raise ConfigError(f"context_mid and context_*_distance apply to head_type: context, not "
-                              f"{m.head_type!r}")
-        return None
-    for name in ("context_window", "context_heads", "context_mlp_mult"):
-        v = getattr(m, name)
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-    if m.context_head_dim is not None and m.context_head_dim < 1:
-        raise ConfigError(f"context_head_dim must be >= 1 (or unset: min(64, hidden / heads)), got "
-                          f"{m.context_head_dim}")
-    g, n = t.gamma, t.window
-    if getattr(t, "decoding_given", False):
-        defaults = {"draft": (1, g + n - 1), "verify": (1, g + n), "mid": (1, g)}
-    else:
-        defaults = {"draft": (1, 4), "verify": (1, 8), "mid": (1, 4)}
-    if t.context_mid_distance and not m.context_mid:
-        raise ConfigError("context_mid_distance is the draft's distance to the verifier's frontier: set "
-                          "context_mid: true to use it")
-    out = {}
-    for key in ("draft", "verify", "mid"):
-        given = getattr(t, f"context_{key}_distance")
-        if not given:
-            out[key] = defaults[key]
-            continue
-        if len(given) != 2 or not all(isinstance(x, int) for x in given) or not 1 <= given[0] <= given[1]:
-            raise ConfigError(f"context_{key}_distance must be two integers LO HI with 1 <= LO <= HI (a draft is "
-                              f"never verified itself: distance 1 = the newest position), got {list(given)}")
-        out[key] = (int(given[0]), int(given[1]))
-    if not m.context_mid:
-        out["mid"] = None
-    elif out["mid"][0] > out["draft"][0]:
-        raise ConfigError(f"context_mid_distance starts at {out['mid'][0]}, above the draft's smallest final "
-                          f"distance {out['draft'][0]}: the verifier's frontier is never behind the full model's")
-    return out
-
-
 def _num_layers_from_config(path: str, revision: str | None) -> int | None:
     if path.endswith(".gguf"):
         return None  # read from the loaded model instead
@@ -575,8 +263,6 @@ def _num_layers_from_config(path: str, revision: str | None) -> int | None:
 
 
 def resolve_exits(m: ModelArguments, num_layers: int) -> tuple[int, int]:
-    from hispec.model import default_exits, validate_exits
-
     d_def, v_def = default_exits(num_layers)
     draft = d_def if m.draft_layer is None else m.draft_layer
     verify = v_def if m.verify_layer is None else m.verify_layer
@@ -589,9 +275,6 @@ def resolve_exits(m: ModelArguments, num_layers: int) -> tuple[int, int]:
 
 def load_base(m: ModelArguments):
     """The frozen base model, with a LoRA adapter merged in first when one is given."""
-    from hispec.model import load_base_model
-    from train.data import expand_path
-
     path = expand_path(m.model_name_or_path)
     base = load_base_model(path, dtype=m.dtype, revision=m.revision)
     if hasattr(base, "set_attn_implementation"):
@@ -608,8 +291,6 @@ def load_base(m: ModelArguments):
 
 def wrap_model(base, m: ModelArguments, draft: int, verify: int, gamma: int, window: int):
     """EarlyExitModel with fresh heads; the base identity records the name given and any merged adapter."""
-    from hispec.model import EarlyExitModel
-
     ctx = ({"context": context_settings(m), "context_mid": m.context_mid} if m.head_type == "context" else {})
     model = EarlyExitModel.from_base(base, draft, verify, m.head_type, head_rank=m.head_rank, gamma=gamma,
                                      window=window, revision=m.revision, **ctx)
@@ -625,7 +306,6 @@ def add_layer_lora(model, rank: int, alpha: float) -> None:
     """LoRA (peft) on every linear map of the heads' copied decoder layers; the layer's own weights freeze, the
     heads' norms and residual adapters keep training. The saved heads then hold peft keys that `hispec-export`
     merges (it reads `lora_alpha` from the run's arguments)."""
-    import torch
     from peft import LoraConfig
     from peft.tuners.lora import LoraModel
 
@@ -638,347 +318,12 @@ def add_layer_lora(model, rank: int, alpha: float) -> None:
         p.requires_grad_("lora_" in n or ".layer." not in f".{n}.")
 
 
-def _heads_module():
-    import torch
-
-    class HeadsForTraining(torch.nn.Module):
-        """The only module `accelerate.prepare` sees: both heads, features for given exit hidden states."""
-
-        def __init__(self, heads, adapter=None):
-            super().__init__()
-            self.heads = heads
-            self._adapter = [adapter]  # not a submodule (the frozen backbone stays outside accelerate)
-
-        def forward(self, hidden: dict):
-            # {exit: [N, H]} -> {exit: [N, H]} features for the frozen lm_head. A `layer` head gets its exit's
-            # whole sequences instead, (states [B, T, H], attention mask [B, T], loss positions [B*T]), and
-            # attends over them causally (a fresh cache per batch). A `context` head gets a dict (see
-            # `_context_input`): whole sequences of every layer it reads and each position's frontier distance(s).
-            out = {}
-            for k, h in hidden.items():
-                if isinstance(h, dict):
-                    head = self.heads[k]
-                    ctx = head.sequence_context(h["states"], h["distance"], h["mid_distance"], h["start"])
-                    feats = head(h["states"][head.context_layers[0]], context=ctx)
-                    out[k] = feats.reshape(-1, feats.shape[-1])[h["flat"]]
-                elif isinstance(h, tuple):
-                    states, mask, flat = h
-                    head = self.heads[k]
-                    feats = head(states, head.run_layer_fresh(self._adapter[0], mask.long()))
-                    out[k] = feats.reshape(-1, feats.shape[-1])[flat]
-                else:
-                    out[k] = self.heads[k](h)
-            return out
-
-    return HeadsForTraining
-
-
 def _step_hook(step: int) -> None:
     """Called after every optimizer step (tests replace it to simulate a kill)."""
 
 
-# ---------------------------------------------------------------------------------------------------- steps
-def draw_distances(n: int, rng: tuple[int, int], generator, cap=None):
-    """`n` frontier distances uniform over `rng` = (lo, hi) inclusive (long, CPU); with `cap` `[n]` each is drawn
-    uniformly from lo..min(hi, cap) instead (a draft's distance to the verifier's frontier never exceeds its
-    distance to the full model's; `context_ranges` guarantees lo <= cap)."""
-    import torch
-
-    lo, hi = rng
-    if cap is None:
-        return torch.randint(lo, hi + 1, (n,), generator=generator)
-    top = cap.clamp(max=hi)
-    u = torch.rand(n, generator=generator, dtype=torch.float64)
-    return torch.minimum(lo + (u * (top - lo + 1).double()).long(), top)
-
-
-def distance_sampler(ranges: dict, generator):
-    """-> dist(name, n) -> (final distances [n], mid distances [n] or None) drawn like decoding produces them:
-    uniform over the exit's range; for the draft head with mid, the mid distance uniform in lo..min(hi, final)."""
-
-    def dist(name, n):
-        d = draw_distances(n, ranges[name], generator)
-        mid = draw_distances(n, ranges["mid"], generator, cap=d) if name == "draft" and ranges.get("mid") else None
-        return d, mid
-
-    return dist
-
-
-def fixed_distances(d: int, mid: int | None = None):
-    """-> dist(name, n): every position at final distance `d` (and, for the draft head, mid distance `mid`)."""
-    import torch
-
-    def dist(name, n):
-        full = torch.full((n,), d, dtype=torch.long)
-        return full, (torch.full((n,), min(mid, d), dtype=torch.long) if mid is not None and name == "draft" else None)
-
-    return dist
-
-
-def _distance_seed(seed: int, step: int, micro: int, rank: int) -> int:
-    """Seed of one micro-batch's distance draws: fixed by (seed, optimizer step, micro-batch, process), so a resumed
-    run draws exactly what an uninterrupted one did."""
-    return (((seed * 1_000_003 + step) * 1009 + micro) * 101 + rank) % (1 << 62)
-
-
-def _context_input(name, layers, states, mask, flat, dist, param_dtype):
-    """What `HeadsForTraining.forward` hands a context head: whole sequences `{layer: [B, T, H]}` of every layer
-    it reads (mask `[B, T]`, left or right padded), loss positions `flat` `[B*T]`, and per position a frontier
-    distance `[B, T]` (plus a mid distance for a draft head reading the verifier exit). Distances are drawn for the
-    real positions in (sequence, position) order, so the backbone-on-the-fly and the feature-cache paths draw the
-    same distances for the same batch."""
-    import torch
-
-    B, T = mask.shape
-    d, mid = dist(name, int(mask.sum()))
-
-    def spread(v):
-        if v is None:
-            return None
-        out = torch.ones(B, T, dtype=torch.long, device=mask.device)
-        out[mask] = v.to(mask.device)
-        return out
-
-    return {"states": {L: states[L].to(param_dtype) for L in layers}, "mask": mask, "flat": flat,
-            "distance": spread(d), "mid_distance": spread(mid), "start": mask.long().argmax(1)}
-
-
-def _batch_inputs(batch, adapter, exits, param_dtype, seq_heads=(), ctx_heads=None, dist=None):
-    """Backbone pass -> exit states, teacher features and next-token labels of the loss tokens (valid tokens
-    inside the batch's `loss_mask` when it has one), flattened; and the batch row of each. Context heads
-    (`ctx_heads` {name: layers read}) get whole sequences and frontier distances from `dist` (`_context_input`)."""
-    from hispec.layers import positions_from_mask
-    from train.losses import exit_states, next_token_labels
-
-    ctx_heads = ctx_heads or {}
-    ids, mask = batch["input_ids"], batch["attention_mask"].bool()
-    pos = positions_from_mask(mask)
-    layers = tuple(sorted({*exits, *(x for ls in ctx_heads.values() for x in ls)}))
-    states, final = exit_states(adapter, ids, pos, mask, layers)
-    flat = (mask & batch["loss_mask"].bool() if "loss_mask" in batch else mask).reshape(-1)
-    hidden = {name: (_context_input(name, ctx_heads[name], states, mask, flat, dist, param_dtype)
-                     if name in ctx_heads else
-                     (states[layer].to(param_dtype), mask, flat) if name in seq_heads else
-                     states[layer].reshape(-1, states[layer].shape[-1])[flat].to(param_dtype))
-              for name, layer in zip(("draft", "verify"), exits)}
-    teacher = final.reshape(-1, final.shape[-1])[flat]
-    labels = next_token_labels(ids, mask).reshape(-1)[flat]
-    row = _row_index(mask)[flat]
-    return hidden, teacher, labels, row
-
-
-def _left_padded(flat_states, offsets, sel):
-    """Concatenated sequences `[N, H]` (boundaries `offsets` [B + 1]) -> left-padded `[B, T, H]`, attention mask
-    `[B, T]` and the flat index `[B * T]` of the positions in `sel` [N], in the same (sequence, position) order as
-    `flat_states[sel]` -- the whole-sequence input a `layer` head takes (`HeadsForTraining.forward`)."""
-    import torch
-
-    lengths = offsets[1:] - offsets[:-1]
-    B, T = lengths.numel(), int(lengths.max())
-    row = torch.repeat_interleave(torch.arange(B, device=lengths.device), lengths)
-    col = torch.arange(flat_states.shape[0], device=lengths.device) - offsets[:-1][row] + (T - lengths)[row]
-    states = flat_states.new_zeros(B, T, flat_states.shape[-1])
-    states[row, col] = flat_states
-    mask = torch.zeros(B, T, dtype=torch.bool, device=lengths.device)
-    mask[row, col] = True
-    flat = torch.zeros(B, T, dtype=torch.bool, device=lengths.device)
-    flat[row, col] = sel
-    return states, mask, flat.reshape(-1)
-
-
-def _cached_inputs(batch, exits, param_dtype, seq_heads=(), ctx_heads=None, dist=None):
-    """A `train.features.CachedCollator` batch -> loss-token exit states, teacher top-k ids / log-probs, labels and
-    the batch row of each token. A `layer` head (named in `seq_heads`) gets its exit's whole sequences rebuilt from
-    the cache's offsets instead (see `_left_padded`): the cache stores every position, not only the loss ones; a
-    context head (`ctx_heads`) those of every layer it reads, with frontier distances (`_context_input`)."""
-    ctx_heads = ctx_heads or {}
-    sel = batch["loss_mask"].bool()
-
-    def context(name):
-        states, mask, flat = {}, None, None
-        for L in ctx_heads[name]:
-            if f"hidden.{L}" not in batch:
-                from train.features import FeatureCacheError
-
-                raise FeatureCacheError(f"the feature cache batch has no hidden.{L}, which the {name} context head "
-                                        "reads; build the cache with that layer")
-            states[L], mask, flat = _left_padded(batch[f"hidden.{L}"], batch["offsets"], sel)
-        return _context_input(name, ctx_heads[name], states, mask, flat, dist, param_dtype)
-
-    hidden = {name: (context(name) if name in ctx_heads else
-                     _left_padded(batch[f"hidden.{layer}"].to(param_dtype), batch["offsets"], sel)
-                     if name in seq_heads else batch[f"hidden.{layer}"][sel].to(param_dtype))
-              for name, layer in zip(("draft", "verify"), exits)}
-    return (hidden, batch["teacher_topk_ids"][sel], batch["teacher_topk_logprobs"][sel], batch["labels"][sel],
-            batch["row"][sel])
-
-
-def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
-    """-> f(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0) -> (DistillOutput, row of each token,
-    batch size): the backbone-on-the-fly loss (`distill_loss`) or the feature-cache loss (`topk_distill_loss`).
-    `dist(name, n)` gives context heads their frontier distances (`distance_sampler`, `fixed_distances`)."""
-    from train.generate_data import parse_gen_dtype
-    from train.losses import distill_loss, topk_distill_loss
-
-    project = _project_fn(adapter, parse_gen_dtype(t.loss_dtype))
-    chunk = t.loss_chunk_size or None
-
-    def on_the_fly(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0):
-        hidden, teacher, labels, row = _batch_inputs(batch, adapter, exits, param_dtype, _seq_heads(heads),
-                                                     _ctx_heads(heads, dist), dist)
-        out = distill_loss(project, teacher, heads(hidden), labels, temperature=t.temperature, ce_weight=t.ce_weight,
-                           chunk_size=chunk, vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token,
-                           topk_agree=topk_agree)
-        return out, row, batch["input_ids"].shape[0]
-
-    def from_cache(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0):
-        hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype, _seq_heads(heads),
-                                                        _ctx_heads(heads, dist), dist)
-        out = topk_distill_loss(project, heads(hidden), ids, logp, labels, ce_weight=t.ce_weight, chunk_size=chunk,
-                                vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token,
-                                topk_agree=topk_agree)
-        return out, row, batch["offsets"].shape[0] - 1
-
-    return from_cache if cached else on_the_fly
-
-
-def _seq_heads(heads) -> tuple[str, ...]:
-    """Names of the heads that attend over whole sequences (`layer` heads) in a (DDP-)wrapped HeadsForTraining."""
-    inner = getattr(heads, "module", heads).heads
-    return tuple(k for k, h in inner.items() if getattr(h, "stateful", False))
-
-
-def _ctx_heads(heads, dist=None) -> dict[str, list[int]]:
-    """Names of the `context` heads -> the layers each reads, in a (DDP-)wrapped HeadsForTraining."""
-    inner = getattr(heads, "module", heads).heads
-    out = {k: list(h.context_layers) for k, h in inner.items() if getattr(h, "needs_context", False)}
-    if out and dist is None:
-        raise ValueError("context heads need frontier distances: pass dist=distance_sampler(...) or "
-                         "fixed_distances(d)")
-    return out
-
-
-def _row_index(mask):
-    import torch
-
-    return torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask).reshape(-1)
-
-
-def _project_fn(adapter, dtype=None):
-    """The frozen lm_head as a function of features. With a `dtype` other than the backbone's, a copy of the output
-    layers in that dtype runs the same `DecoderAdapter.project` code (the loss's softmax stays fp32)."""
-    if dtype is None or dtype == adapter.dtype:
-        def project(features):
-            return adapter.project(features.to(adapter.dtype))
-
-        return project
-    import copy
-    import dataclasses
-
-    parts = adapter.parts
-    shim = copy.copy(adapter)
-    shim.parts = dataclasses.replace(
-        parts, lm_head=copy.deepcopy(parts.lm_head).to(dtype),
-        project_out=None if parts.project_out is None else copy.deepcopy(parts.project_out).to(dtype))
-
-    def project_cast(features):
-        return shim.project(features.to(dtype))
-
-    return project_cast
-
-
-def _eval_pass(accelerator, heads, loss_fn, eval_dl, dist=None) -> dict:
-    """One pass over the held-out loss tokens: per exit top-1 / top-5 agreement with the final layer's argmax and
-    KL, the draft-verify top-1 agreement, the token count (summed over processes)."""
-    import torch
-
-    totals = torch.zeros(8, dtype=torch.float64)  # top1 d/v, draft_verify, top5 d/v, kl d/v, tokens
-    for batch in eval_dl:
-        out, row, B = loss_fn(batch, heads, pairs=(("draft", "verify"),), per_token=True, dist=dist, topk_agree=5)
-        cols = [out.agree_tokens["draft"], out.agree_tokens["verify"], out.agree_tokens["draft_verify"],
-                out.topk_tokens["draft"], out.topk_tokens["verify"], out.kl_tokens["draft"], out.kl_tokens["verify"],
-                torch.ones_like(out.kl_tokens["draft"])]
-        per_row = torch.zeros(B, totals.numel(), dtype=torch.float64, device=row.device)
-        for j, v in enumerate(cols):
-            per_row[:, j].index_add_(0, row, v.double())
-        totals += accelerator.gather_for_metrics(per_row).sum(0).cpu()
-    n = max(totals[-1].item(), 1.0)
-    res = {k: {"top1_agreement": totals[j].item() / n, "top5_agreement": totals[3 + j].item() / n,
-               "kl": totals[5 + j].item() / n} for j, k in enumerate(("draft", "verify"))}
-    res["draft_verify"] = totals[2].item() / n
-    res["tokens"] = int(totals[-1].item())
-    return res
-
-
-def evaluate(accelerator, heads, adapter, eval_dl, exits, t: TrainArguments, param_dtype,
-             cached: bool = False, ranges: dict | None = None, by_distance: bool = False) -> dict:
-    """Per exit top-1 / top-5 agreement with the final layer's argmax, KL, and expected tokens per round on
-    held-out loss tokens (from the feature cache when `cached`: there the KL is the top-k + bucket KL).
-
-    Context heads (`ranges` from `context_ranges`): the headline numbers are at frontier distances drawn as in
-    training (a fixed seed, so every evaluation sees the same draws); with `by_distance` also at every distance d in
-    EVAL_DISTANCES for all positions (`<exit>.by_distance[d]`), and for a draft head reading the verifier exit at
-    mid distance 1 (`draft.by_distance_mid1[d]`: hispec right after the verifier passed the previous token)."""
-    import torch
-
-    from train.losses import expected_tokens_per_round
-
-    loss_fn = _loss_fn(adapter, exits, t, param_dtype, cached)
-    dist = None
-    if ranges:
-        gen = torch.Generator().manual_seed(_distance_seed(t.seed + 1, 0, 0, accelerator.process_index))
-        dist = distance_sampler(ranges, gen)
-    heads.eval()
-    with torch.no_grad():
-        main = _eval_pass(accelerator, heads, loss_fn, eval_dl, dist)
-        extra = {}
-        if ranges and by_distance:
-            for d in EVAL_DISTANCES:
-                extra[("by_distance", d)] = _eval_pass(accelerator, heads, loss_fn, eval_dl, fixed_distances(d))
-                if ranges.get("mid"):
-                    extra[("by_distance_mid1", d)] = _eval_pass(accelerator, heads, loss_fn, eval_dl,
-                                                                fixed_distances(d, mid=1))
-    heads.train()
-    result = {"eval_tokens": main["tokens"], "gamma": t.gamma,
-              "teacher": "feature cache: top-k + bucket" if cached else "full distribution"}
-    inner = getattr(heads, "module", heads).heads
-    for j, k in enumerate(("draft", "verify")):
-        alpha = main[k]["top1_agreement"]
-        result[k] = {**main[k], "expected_tokens_per_round": expected_tokens_per_round(alpha, t.gamma),
-                     "layer": exits[j], "head_type": inner[k].head_type, "vocab_size": inner[k].vocab_size}
-    result["draft_verify"] = {"top1_agreement": main["draft_verify"],
-                              "expected_tokens_per_round": expected_tokens_per_round(main["draft_verify"], t.gamma)}
-    if ranges:
-        result["context"] = {"ranges": {k: list(v) if v else None for k, v in ranges.items()},
-                             "eval_distances": list(EVAL_DISTANCES) if by_distance else []}
-    for (kind, d), res in extra.items():
-        for k in ("draft", "verify") if kind == "by_distance" else ("draft",):
-            result[k].setdefault(kind, {})[str(d)] = res[k]
-    return result
-
-
-def format_agreement(res: dict) -> str:
-    """A final evaluation as a small table: per exit top-1 / top-5 agreement; context heads per frontier distance."""
-    lines = []
-    for k in ("draft", "verify"):
-        r = res[k]
-        head = f"{k:<6} L{r['layer']:<3} {r.get('head_type', '?'):<8}"
-        lines.append(f"{head} top-1 {r['top1_agreement']:.3f}  top-5 {r['top5_agreement']:.3f}  KL {r['kl']:.3f}"
-                     + ("  (distances drawn as in training)" if "by_distance" in r else ""))
-        for kind in ("by_distance", "by_distance_mid1"):
-            if kind in r:
-                cells = "  ".join(f"d={d} {v['top1_agreement']:.3f}/{v['top5_agreement']:.3f}"
-                                  for d, v in r[kind].items())
-                lines.append(f"{'':<19}top-1/top-5 {'' if kind == 'by_distance' else 'mid 1 '}{cells}")
-    lines.append(f"draft-verify top-1 {res['draft_verify']['top1_agreement']:.3f}; {res['eval_tokens']} held-out "
-                 "tokens")
-    return "\n".join(lines)
-
-
 def _build_split(state, adapter, ds, folder, kwargs, extra, t0):
     """One cache folder: built by this process alone, or shard-wise by all processes and finished by the main."""
-    from train.features import build_feature_cache, write_manifest
-
     if state.num_processes == 1:
         build_feature_cache(adapter, ds, folder, show_progress=state.is_local_main_process, **kwargs)
         return
@@ -1004,9 +349,6 @@ def cache_layers(exits, num_layers: int, m: ModelArguments, d: DataArguments) ->
 def check_feature_cache(m: ModelArguments, d: DataArguments, exits, num_layers: int) -> None:
     """Before any work: a feature cache folder that exists but lacks layers this run reads is a ConfigError naming
     what is missing and how to rebuild (a context run on a cache built for linear heads, mostly)."""
-    from train import data as tdata
-    from train.features import FeatureCacheError, check_cache_layers
-
     if not d.feature_cache:
         return
     _, read = cache_layers(exits, num_layers, m, d)
@@ -1022,10 +364,6 @@ def check_feature_cache(m: ModelArguments, d: DataArguments, exits, num_layers: 
 
 def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, eval_ds, pad_id):
     """Build (or resume / reuse) DIR/train and DIR/eval, then -> (train, eval CachedSequences, info for the run)."""
-    from train import data as tdata
-    from train.features import CachedSequences, FeatureCacheError, model_identity
-    from train.generate_data import generation_dtype
-
     root = Path(tdata.expand_path(d.feature_cache)).absolute()
     with generation_dtype(model.base, d.feature_cache_backbone_dtype):  # the identity records the dtype used
         identity = model_identity(model.base, m.model_name_or_path)
@@ -1066,17 +404,9 @@ def main(argv=None) -> int:
     warn_if_slow_low_precision(m, d, g, t)
     output_dir = Path(os.path.expanduser(t.output_dir)).absolute()
 
-    import torch
     from accelerate import Accelerator, DataLoaderConfiguration, PartialState
     from accelerate.utils import InitProcessGroupKwargs, set_seed
     from datasets import concatenate_datasets
-    from safetensors.torch import save_file
-    from torch.utils.data import DataLoader, SequentialSampler
-    from tqdm.auto import tqdm
-
-    from hispec.model import load_tokenizer
-    from train import data as tdata
-    from train.generate_data import generate_responses, prompts_from, read_responses
 
     report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
     # CPU processes talk through gloo (design.md §6: without it each rank may believe it is rank 0 of 1); a
@@ -1091,7 +421,6 @@ def main(argv=None) -> int:
     # The process group comes first; the Accelerator (and with it DeepSpeed's ZeRO-3 hook into from_pretrained,
     # which would shard the frozen backbone) only after the backbone is loaded. Ranks wait at barriers while the
     # main process writes self-written prompts or a cache plan: far longer than gloo's default 30 min timeout.
-    from datetime import timedelta
 
     long_wait = {"timeout": timedelta(hours=12)} if multi_cpu else {}
     state = PartialState(**({"backend": "gloo", **multi_cpu, **long_wait} if gloo else {}))
@@ -1127,7 +456,6 @@ def main(argv=None) -> int:
     t0 = time.time()
     base = load_base(m)
     if n_layers is None:  # GGUF: the depth is known once loaded
-        from hispec.layers import DecoderAdapter
 
         n_layers = DecoderAdapter(base).num_layers
         draft, verify = resolve_exits(m, n_layers)
@@ -1146,8 +474,6 @@ def main(argv=None) -> int:
     # ---- self-written prompts (resumable; written by the main process, read by all)
     if d.self_prompts:
         from datasets import Dataset
-
-        from train.self_prompts import SelfPromptError, ensure_self_prompts
 
         sp_dir = Path(tdata.expand_path(d.self_prompts_dir)) if d.self_prompts_dir else output_dir / "self_prompts"
         t0 = time.time()
@@ -1225,7 +551,6 @@ def main(argv=None) -> int:
     if cached:
         train_ds, eval_ds, cache_info = _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds,
                                                                eval_ds, pad_id)
-        from train.features import CachedCollator
 
         collate = CachedCollator()
     if t.data_only:
@@ -1250,7 +575,7 @@ def main(argv=None) -> int:
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
         **multi_cpu,
     )
-    heads = _heads_module()(model.heads.float(), adapter)
+    heads = HeadsForTraining(model.heads.float(), adapter)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     if eval_dl is not None:
@@ -1315,7 +640,7 @@ def main(argv=None) -> int:
         accelerator.save_state(str(tmp))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            _write_json_atomic(tmp / STATE_FILE, {"step": step, "history": history, "run": run_info,
+            write_json(tmp / STATE_FILE, {"step": step, "history": history, "run": run_info,
                                                   "train_seconds": prior_seconds + time.time() - t_train})
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -1396,8 +721,8 @@ def main(argv=None) -> int:
         heads_state = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().float().cpu().contiguous()
                        for k, v in state.items()}
         output_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(output_dir / HEADS_FILE,
-                            lambda p: save_file(heads_state, str(p), metadata={"format": "pt", "hispec": "1"}))
+        atomic_write(output_dir / HEADS_FILE,
+                     lambda p: save_file(heads_state, str(p), metadata={"format": "pt", "hispec": "1"}))
         info = {
             "hispec": model.hispec_config.to_dict(),
             "base": model.hispec_config.base,
@@ -1408,9 +733,9 @@ def main(argv=None) -> int:
             "data": run_info,
             "args": config_dump,
         }
-        _write_json_atomic(output_dir / TRAIN_INFO_FILE, info)
-        _write_json_atomic(output_dir / METRICS_FILE, {"final": final, "history": history,
-                                                       "steps": completed, "train_seconds": round(train_seconds, 1)})
+        write_json(output_dir / TRAIN_INFO_FILE, info)
+        write_json(output_dir / METRICS_FILE, {"final": final, "history": history,
+                                               "steps": completed, "train_seconds": round(train_seconds, 1)})
         if final is not None:
             print("held-out agreement with the final layer's argmax (" + METRICS_FILE + "):\n"
                   + format_agreement(final))

@@ -246,8 +246,10 @@ def _ngram(args) -> dict | None:
 def _write_json(path: str, data: dict) -> None:
     from pathlib import Path
 
+    from ..io import write_json  # torch-heavy: imported when used, so --help stays fast
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_json(path, data)
 
 
 def main(argv=None) -> int:

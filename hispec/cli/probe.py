@@ -181,8 +181,10 @@ def _check_model_path(model: str) -> str | None:
 
 
 def _write_json(path: str, data: dict) -> None:
+    from ..io import write_json  # torch-heavy: imported when used, so --help stays fast
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_json(path, data)
 
 
 def _log(msg: str) -> None:
@@ -248,6 +250,78 @@ def _eval_heads_problem(args, explicit: set[str]) -> str | None:
     return None
 
 
+def _check_inputs(probe, model: str, files) -> None:
+    """The model source and the data files exist (ProbeError otherwise): checked before anything is loaded."""
+    problem = _check_model_path(model)
+    if problem:
+        raise probe.ProbeError(problem)
+    for f in files:
+        if not Path(f).is_file():
+            raise probe.ProbeError(f"data file {f} does not exist")
+
+
+def _read_all(probe, files, raw_text: bool) -> list:
+    return [it for f in files for it in probe.read_items(f, raw_text)]
+
+
+def _torch_setup(args) -> tuple[bool, str]:
+    """Quiet transformers, apply --threads; (progress, device). torch/transformers are imported here, when a run
+    starts (heavy: `--help` and argument errors stay fast)."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return not args.no_progress, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _acceptor(probe, tokenizer, args, held_out: bool = False):
+    """`accept(item)` for `probe.select_items`: tokenizes an item once (into `prepared`, by id) and counts the
+    unusable ones in `rejected[0]`."""
+    prepared: dict[int, probe.Prepared] = {}
+    rejected = [0]
+
+    def accept(item):
+        if id(item) not in prepared:
+            p = probe.prepare_item(tokenizer, item, max_prompt_tokens=args.max_prompt_tokens,
+                                   max_seq_len=args.max_seq_len, chat=not args.no_chat, held_out=held_out)
+            if p is None:
+                rejected[0] += 1
+                return False
+            prepared[id(item)] = p
+        return True
+
+    return accept, prepared, rejected
+
+
+def _answer(probe, preps, args, tokenizer, model, gen_dtype, load_copy, seconds: dict, progress: bool):
+    """Answer the prompt items with `model` (or, for another --gen-dtype, with `load_copy(dtype)` loaded only when
+    something is missing from the answer cache); returns (counts, generation dtype name, model fingerprint)."""
+    t0 = time.perf_counter()
+    gen_name = str(gen_dtype or model.dtype).replace("torch.", "")
+    fp = probe.model_fingerprint(model)
+    cache = probe.AnswerCache(None if args.no_cache else args.cache_dir, fp, gen_name)
+    holder = {}
+
+    def get_model():
+        if gen_dtype is None or gen_dtype == model.dtype:
+            return model
+        _log(f"loading a {gen_name} copy for generation")
+        holder["m"] = load_copy(gen_dtype)
+        return holder["m"]
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    counts = probe.answer_prompts(preps, cache, get_model, max_new_tokens=args.max_new_tokens,
+                                  max_seq_len=args.max_seq_len, eos=probe.eos_ids(model, tokenizer), pad_id=pad,
+                                  batch_size=args.gen_batch_size, progress=progress)
+    holder.clear()
+    seconds["generate"] = round(time.perf_counter() - t0, 2)
+    _log(f"answers: {counts['generated']} generated, {counts['cached']} from cache"
+         + (f" ({cache.path})" if cache.path else ""))
+    return counts, gen_name, fp
+
+
 def _main_eval_heads(args, explicit: set[str]) -> int:
     problem = _eval_heads_problem(args, explicit) or _check_args(args)
     if problem:
@@ -262,28 +336,16 @@ def _main_eval_heads(args, explicit: set[str]) -> int:
         # ---- everything that can be checked without the model
         dtype = parse_dtype(args.dtype)
         gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
-        problem = _check_model_path(args.model)
-        if problem:
-            raise probe.ProbeError(problem)
+        _check_inputs(probe, args.model, args.eval_data)
         entry = _checkpoint_entry(args.model)
-        for f in args.eval_data:
-            if not Path(f).is_file():
-                raise probe.ProbeError(f"data file {f} does not exist")
-        eval_all = [it for f in args.eval_data for it in probe.read_items(f, args.raw_text)]
+        eval_all = _read_all(probe, args.eval_data, args.raw_text)
     except (probe.ProbeError, ValueError, OSError) as e:
         print(f"hispec-probe: error: {e}", file=sys.stderr)
         return 2
 
-    import torch
-    import transformers
-
     from ..model import load, load_tokenizer
 
-    transformers.utils.logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    progress = not args.no_progress
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    progress, device = _torch_setup(args)
     seconds = {}
     try:
         tokenizer = load_tokenizer(args.model, revision=args.revision)
@@ -292,18 +354,7 @@ def _main_eval_heads(args, explicit: set[str]) -> int:
         if tokenizer is None:
             raise probe.ProbeError(f"no tokenizer could be loaded for {args.model} (no tokenizer files, or not "
                                    "reachable); the evaluation tokenizes text data and needs one")
-        prepared: dict[int, probe.Prepared] = {}
-        rejected = [0]
-
-        def accept(item):
-            if id(item) not in prepared:
-                p = probe.prepare_item(tokenizer, item, max_prompt_tokens=args.max_prompt_tokens,
-                                       max_seq_len=args.max_seq_len, chat=not args.no_chat, held_out=True)
-                if p is None:
-                    rejected[0] += 1
-                    return False
-                prepared[id(item)] = p
-            return True
+        accept, prepared, rejected = _acceptor(probe, tokenizer, args, held_out=True)
 
         eval_items = probe.select_items(eval_all, args.max_eval_prompts, accept)
         if not eval_items:
@@ -319,27 +370,10 @@ def _main_eval_heads(args, explicit: set[str]) -> int:
         base = model.base
 
         # ---- answers, by the base model
-        t0 = time.perf_counter()
-        gen_name = str(gen_dtype or base.dtype).replace("torch.", "")
-        fp = probe.model_fingerprint(base)
-        cache = probe.AnswerCache(None if args.no_cache else args.cache_dir, fp, gen_name)
-        holder = {}
+        def load_copy(dt):
+            return load(args.model, dtype=dt, device=device, revision=args.revision).base
 
-        def get_model():
-            if gen_dtype is None or gen_dtype == base.dtype:
-                return base
-            _log(f"loading a {gen_name} copy for generation")
-            holder["m"] = load(args.model, dtype=gen_dtype, device=device, revision=args.revision).base
-            return holder["m"]
-
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        counts = probe.answer_prompts(preps, cache, get_model, max_new_tokens=args.max_new_tokens,
-                                      max_seq_len=args.max_seq_len, eos=probe.eos_ids(base, tokenizer), pad_id=pad,
-                                      batch_size=args.gen_batch_size, progress=progress)
-        holder.clear()
-        seconds["generate"] = round(time.perf_counter() - t0, 2)
-        _log(f"answers: {counts['generated']} generated, {counts['cached']} from cache"
-             + (f" ({cache.path})" if cache.path else ""))
+        counts, gen_name, fp = _answer(probe, preps, args, tokenizer, base, gen_dtype, load_copy, seconds, progress)
         sequences = [s for p in preps for s in p.sequences]
         for s in sequences:
             s.held_out = True
@@ -398,50 +432,30 @@ def main(argv=None) -> int:
         head_types = probe.parse_head_types(args.head_types)
         dtype, feature_dtype = parse_dtype(args.dtype), parse_dtype(args.feature_dtype)
         gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
-        problem = _check_model_path(args.model)
-        if problem:
-            raise probe.ProbeError(problem)
-        for f in [*args.data, *(args.eval_data or [])]:
-            if not Path(f).is_file():
-                raise probe.ProbeError(f"data file {f} does not exist")
+        _check_inputs(probe, args.model, [*args.data, *(args.eval_data or [])])
         probe.check_training_files(args.data, args.allow_eval_sets_for_training)
         cfg = _read_config(args.model)
         if cfg and cfg.get("num_hidden_layers"):
             _check_against(args, int(cfg["num_hidden_layers"]), cfg.get("hidden_size"), cfg.get("vocab_size"))
-        train_all = [it for f in args.data for it in probe.read_items(f, args.raw_text)]
-        eval_all = [it for f in (args.eval_data or []) for it in probe.read_items(f, args.raw_text)]
+        train_all = _read_all(probe, args.data, args.raw_text)
+        eval_all = _read_all(probe, args.eval_data or [], args.raw_text)
     except (probe.ProbeError, ValueError, OSError) as e:
         print(f"hispec-probe: error: {e}", file=sys.stderr)
         return 2
 
-    import torch
-    import transformers
+    import torch  # heavy: imported once a run starts
 
+    from ..layers import DecoderAdapter
     from ..model import load_base_model, load_tokenizer
 
-    transformers.utils.logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    progress = not args.no_progress
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    progress, device = _torch_setup(args)
     seconds = {}
     try:
         tokenizer = load_tokenizer(args.model, revision=args.revision)
         if tokenizer is None:
             raise probe.ProbeError(f"no tokenizer could be loaded from {args.model} (no tokenizer files, or not "
                                    "reachable); the probe tokenizes text data and needs one")
-        prepared: dict[int, probe.Prepared] = {}
-        rejected = [0]
-
-        def accept(item):
-            if id(item) not in prepared:
-                p = probe.prepare_item(tokenizer, item, max_prompt_tokens=args.max_prompt_tokens,
-                                       max_seq_len=args.max_seq_len, chat=not args.no_chat)
-                if p is None:
-                    rejected[0] += 1
-                    return False
-                prepared[id(item)] = p
-            return True
+        accept, prepared, rejected = _acceptor(probe, tokenizer, args)
 
         overlap = 0
         if eval_all:
@@ -475,8 +489,6 @@ def main(argv=None) -> int:
         # ---- the model
         _log(f"loading {args.model} ({args.dtype}, {device})")
         model = load_base_model(args.model, dtype=dtype, device=device, revision=args.revision)
-        from ..layers import DecoderAdapter
-
         adapter = DecoderAdapter(model)
         _check_against(args, adapter.num_layers, adapter.hidden_size, adapter.vocab_size)
         layers = probe.parse_layers(args.layers, adapter.num_layers)
@@ -484,27 +496,10 @@ def main(argv=None) -> int:
             else None
 
         # ---- answers
-        t0 = time.perf_counter()
-        gen_name = str(gen_dtype or model.dtype).replace("torch.", "")
-        fp = probe.model_fingerprint(model)
-        cache = probe.AnswerCache(None if args.no_cache else args.cache_dir, fp, gen_name)
-        holder = {}
-
-        def get_model():
-            if gen_dtype is None or gen_dtype == model.dtype:
-                return model
-            _log(f"loading a {gen_name} copy for generation")
-            holder["m"] = load_base_model(args.model, dtype=gen_dtype, device=device, revision=args.revision)
-            return holder["m"]
-
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        counts = probe.answer_prompts(preps, cache, get_model, max_new_tokens=args.max_new_tokens,
-                                      max_seq_len=args.max_seq_len, eos=probe.eos_ids(model, tokenizer), pad_id=pad,
-                                      batch_size=args.gen_batch_size, progress=progress)
-        holder.clear()
-        seconds["generate"] = round(time.perf_counter() - t0, 2)
-        _log(f"answers: {counts['generated']} generated, {counts['cached']} from cache"
-             + (f" ({cache.path})" if cache.path else ""))
+        counts, gen_name, fp = _answer(probe, preps, args, tokenizer, model, gen_dtype,
+                                       lambda dt: load_base_model(args.model, dtype=dt, device=device,
+                                                                  revision=args.revision),
+                                       seconds, progress)
         sequences = [s for p in preps for s in p.sequences]
         if not any(s.held_out for s in sequences):
             raise probe.ProbeError("no held-out sequence has anything to score")

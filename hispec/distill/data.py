@@ -45,7 +45,7 @@ from torch.utils.data import Sampler
 
 logger = logging.getLogger(__name__)
 
-_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
          "model": "assistant", "chatgpt": "assistant", "system": "system"}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 LOSS_ON = ("all", "assistant")
@@ -80,11 +80,11 @@ def normalize_messages(turns, where: str = "") -> list[dict]:
         elif isinstance(t, dict):
             raw_role = t.get("role", t.get("from"))
             content = t.get("content", t.get("value"))
-            role = _ROLE.get(str(raw_role).lower()) if raw_role is not None else None
+            role = ROLES.get(str(raw_role).lower()) if raw_role is not None else None
             if role is None or content is None:
                 raise DataError(
                     f"{where}: chat turn {i} {dict(t)!r} has no usable role/content (expected keys role+content "
-                    f"or from+value, roles {sorted(_ROLE)})"
+                    f"or from+value, roles {sorted(ROLES)})"
                 )
         else:
             raise DataError(f"{where}: chat turn {i} is a {type(t).__name__}, expected a dict or a string")

@@ -17,7 +17,7 @@ Contract:
   261-token chunks, +6.9 GiB unchunked. On CPU prefer the automatic size: glibc keeps freed blocks of <= 32 MiB
   in its heap, so very small chunks can show a larger RSS than they use (MALLOC_MMAP_THRESHOLD_ avoids that).
 - `topk_distill_loss(project, students, topk_ids, topk_logprobs, ...)` is the same loss against a teacher stored
-  as its k most likely tokens (train/features.py): the teacher distribution is the k top probabilities plus one
+  as its k most likely tokens (hispec/distill/features.py): the teacher distribution is the k top probabilities plus one
   bucket holding the remaining mass `r = 1 - sum(p_topk)`; the student is the full-vocabulary log-softmax of
   `project(head features)`, read at the k ids, with its bucket = logsumexp over every other token. Per token
   `KL = sum_i p_i (log p_i - log q_i) + r (log r - log q_rest)` (the bucket term is 0 when r = 0 or k = V), which
@@ -69,6 +69,14 @@ def exit_states(adapter, input_ids, position_ids, valid, exits: tuple[int, ...])
             saved[b] = hidden
     del cache
     return saved, adapter.final_norm(hidden)
+
+
+def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher logits `[n, V]` -> (its top-k ids `[n, k]` long, their log-probabilities `[n, k]` fp32), k capped at
+    V: the targets of the top-k + bucket KL (the feature cache and the probe store these)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return ids, vals
 
 
 def next_token_labels(input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ Each shard holds, for its S sequences of N tokens in total (concatenated, no pad
     loss_mask             [N]     bool    positions whose next-token distribution trains the heads
     hidden.<layer>        [N, H]  bf16    residual stream after `layer` decoder layers, for each exit layer: the
                                           same tensor `hispec.layers.DecoderAdapter.run_layers` hands an exit
-                                          head during decoding (and `train.losses.exit_states` during training);
+                                          head during decoding (and `hispec.distill.losses.exit_states` during training);
                                           `hidden.<num_layers>` is the final layer's raw residual (before the final
                                           norm), which `context` heads read for verified positions
     teacher_topk_ids      [N, k]  int32   the final layer's k most likely next tokens, descending
@@ -48,18 +48,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from hispec.distill.losses import auto_chunk_size, exit_states, teacher_topk
+from hispec.io import DTYPES, atomic_write, dtype_name, write_json
+from hispec.model import base_identity
+
 
 FORMAT = "hispec-features"
 VERSION = 1
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
-HIDDEN_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 _IDENTITY_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "weights",
                   "dtype")
 
@@ -92,8 +98,6 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = 64) -> str:
 
 def model_identity(model: torch.nn.Module, name_or_path: str | None = None) -> dict:
     """What a cache records about the model that made it (compared on reuse; the name is informative only)."""
-    from hispec.model import base_identity
-
     ident = dict(base_identity(model))
     if name_or_path is not None:
         ident["name_or_path"] = name_or_path
@@ -103,8 +107,6 @@ def model_identity(model: torch.nn.Module, name_or_path: str | None = None) -> d
 
 
 def _seq_fingerprint(h, ids, mask) -> None:
-    import numpy as np
-
     h.update(np.asarray(ids, dtype=np.int32).tobytes())
     h.update(np.asarray(mask, dtype=np.bool_).tobytes())
     h.update(b"|")
@@ -155,7 +157,7 @@ def make_plan(rows, shard_tokens: int) -> dict:
 
 def _spec(identity: dict, layers, k: int, hidden_dtype: str, hidden_size: int, vocab_size: int) -> dict:
     return {"format": FORMAT, "version": VERSION, "model": identity, "layers": sorted(int(x) for x in layers),
-            "k": int(k), "hidden_dtype": str(HIDDEN_DTYPES[hidden_dtype]).replace("torch.", ""),
+            "k": int(k), "hidden_dtype": dtype_name(DTYPES[hidden_dtype]),
             "hidden_size": int(hidden_size), "vocab_size": int(vocab_size), "teacher_temperature": 1.0}
 
 
@@ -175,27 +177,14 @@ def _same_spec(a: dict, b: dict) -> list[str]:
     return diffs
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------------------------------- build
 @torch.no_grad()
-def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _project_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`[n, H]` final normed features -> top-k ids `[n, k]` int32 and log-probs `[n, k]` fp32 (chunked over n)."""
-    from train.losses import auto_chunk_size
-
     step = auto_chunk_size(adapter.vocab_size)
     ids, vals = [], []
     for a in range(0, final_normed.shape[0], step):
-        logp = torch.log_softmax(adapter.project(final_normed[a : a + step]).float(), dim=-1)
-        v, i = logp.topk(k, dim=-1)
+        i, v = teacher_topk(adapter.project(final_normed[a : a + step]), k)
         ids.append(i.to(torch.int32))
         vals.append(v)
     return torch.cat(ids), torch.cat(vals)
@@ -205,8 +194,6 @@ def _teacher_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Te
 def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
                  progress=None) -> dict[str, torch.Tensor]:
     """One shard's tensors (see the module docstring); sequences run in length-sorted, right-padded batches."""
-    from train.losses import exit_states
-
     lengths = [len(ids) for ids, _ in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -231,7 +218,7 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
         ids, valid, pos = ids.to(device), valid.to(device), pos.to(device)
         states, final = exit_states(adapter, ids, pos, valid, tuple(layers))
         flat = valid.reshape(-1)
-        t_ids, t_lp = _teacher_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
+        t_ids, t_lp = _project_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
         dest = torch.cat([torch.arange(int(offsets[j]), int(offsets[j + 1])) for j in batch])
         for layer in layers:
             hidden[layer][dest] = states[layer].reshape(-1, H)[flat].to(hidden_dtype).cpu()
@@ -252,8 +239,6 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
 
 
 def _shard_fingerprint(path: Path) -> str | None:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return (f.metadata() or {}).get("fingerprint")
@@ -268,16 +253,13 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
     """Build (or resume, or reuse) a feature cache; see the module docstring. Returns the manifest when this call
     completed the cache (one process) or found it complete, None when another rank must call `write_manifest`.
     `plan_only`: only check the folder against this run and (rank 0) write the plan, then return."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     out_dir = Path(out_dir)
     layers = sorted({int(x) for x in layers})
     if not layers or any(not 1 <= x <= adapter.num_layers for x in layers):
         raise FeatureCacheError(f"exit layers {layers} must be in 1..{adapter.num_layers}")
     if not 1 <= k <= adapter.vocab_size:
         raise FeatureCacheError(f"k must be in 1..{adapter.vocab_size} (the vocabulary), got {k}")
-    if hidden_dtype not in HIDDEN_DTYPES:
+    if hidden_dtype not in DTYPES:
         raise FeatureCacheError(f"unknown hidden dtype '{hidden_dtype}'; choose bf16, fp16 or fp32")
     if shard_tokens < 1 or batch_tokens < 1:
         raise FeatureCacheError("shard_tokens and batch_tokens must be >= 1")
@@ -316,7 +298,7 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
                                     f"({'; '.join(diffs)}); delete it or choose another feature_cache folder")
     elif rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(plan_path, plan)
+        write_json(plan_path, plan)
     if rank == 0 and (plan_only or world_size == 1):  # no other rank is writing yet: drop a killed run's leftovers
         for junk in out_dir.glob(".shard-*.tmp-*"):
             junk.unlink(missing_ok=True)
@@ -324,7 +306,7 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    dtype = HIDDEN_DTYPES[hidden_dtype]
+    dtype = DTYPES[hidden_dtype]
     mine = [(i, s) for i, s in enumerate(plan["shards"]) if i % world_size == rank]
     todo = [(i, s) for i, s in mine if _shard_fingerprint(out_dir / s["file"]) != s["fingerprint"]]
     bar = tqdm(total=sum(s["tokens"] for _, s in mine), initial=sum(s["tokens"] for _, s in mine)
@@ -335,10 +317,8 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
         tensors = _build_shard(adapter, rows[s["start"] : s["end"]], layers, k, dtype, batch_tokens, pad_id,
                                progress=bar.update)
         final = out_dir / s["file"]
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "fingerprint": s["fingerprint"],
-                                              "sequences": str(s["end"] - s["start"])})
-        os.replace(tmp, final)
+        meta = {"format": FORMAT, "fingerprint": s["fingerprint"], "sequences": str(s["end"] - s["start"])}
+        atomic_write(final, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
         _shard_hook(i)
     bar.close()
     if world_size == 1:
@@ -365,7 +345,7 @@ def write_manifest(out_dir, *, extra: dict | None = None, build_seconds: float |
     manifest.update(num_tokens=sum(s["tokens"] for s in shards), num_loss_tokens=sum(s["loss_tokens"] for s in shards),
                     shards=shards, extra=extra or {},
                     build_seconds=None if build_seconds is None else round(build_seconds, 1))
-    _write_json(out_dir / MANIFEST, manifest)
+    write_json(out_dir / MANIFEST, manifest)
     return manifest
 
 
@@ -412,8 +392,6 @@ class CachedSequences(torch.utils.data.Dataset):
     [n, k] long, `teacher_topk_logprobs` [n, k] fp32."""
 
     def __init__(self, out_dir, layers=None):
-        from safetensors import safe_open
-
         self.dir = Path(out_dir)
         self.manifest = open_feature_cache(self.dir)
         self.layers = list(self.manifest["layers"] if layers is None else layers)
@@ -435,8 +413,6 @@ class CachedSequences(torch.utils.data.Dataset):
         return {**self.__dict__, "_handles": {}}
 
     def _handle(self, si: int):
-        from safetensors import safe_open
-
         if si not in self._handles:
             self._handles[si] = safe_open(str(self.dir / self.manifest["shards"][si]["file"]), framework="pt")
         return self._handles[si]

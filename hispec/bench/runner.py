@@ -1,0 +1,412 @@
+"""The benchmark's runner: `BenchConfig`, the raw samples (`Counters`, `Sample`, `PromptRecord`, `BenchResult`), pass
+counting through forward hooks (`PassCounter`), one strategy on one prompt (`Runner`), the fp32 re-check of greedy
+divergences (`TieChecker`, `tie_tolerance`), `run_bench` and the latency model's `predict_speedups`."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import latency
+from ..decoding import STRATEGIES as HISPEC_STRATEGIES
+from ..decoding import _auto_chain, build_levels, parse_hierarchy
+from ..ngram import NgramConfig
+from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
+from .env import hardware_info, model_info
+
+
+HF_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup")
+STRATEGIES = HF_STRATEGIES + HISPEC_STRATEGIES
+REFERENCE = "hf"
+STAGES = ("prefill", "draft", "verify", "target", "other")
+SWEEPABLE = ("self-spec", "hispec")
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@dataclass
+class BenchConfig:
+    """What to run. `temperature` 0 = greedy (identity to `hf` is checked); > 0 samples (it is not)."""
+
+    strategies: tuple[str, ...] = ("hf", "hf-early-exit", "self-spec", "hispec")
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    gamma: int | None = None  # None: the checkpoint's decoding default
+    window: int | None = None
+    warmup: int = 1  # warm-up generations per strategy (first prompt, at most 32 tokens), not timed
+    repeats: int = 1  # timed runs per prompt and strategy; a prompt's time is their median
+    seed: int = 0
+    chat: bool = True
+    prompt_lookup_tokens: int = 10  # hf-prompt-lookup: prompt_lookup_num_tokens
+    assistant_tokens: int | None = None  # hf-early-exit: num_assistant_tokens (None: transformers' default)
+    tie_tolerance: float | None = None  # fp32 logit margin below which a divergence is a rounding tie (None: by dtype)
+    tie_check: bool = True  # re-evaluate divergences in fp32 (costs one fp32 copy of the base when it is not fp32)
+    ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: the checkpoint's / defaults)
+
+    def __post_init__(self):
+        self.strategies = tuple(self.strategies)
+        unknown = [s for s in self.strategies if s not in STRATEGIES and ">" not in s]
+        if unknown:
+            raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
+                             "such as ngram>L4>full")
+        if not self.strategies:
+            raise ValueError("no strategies to run")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"strategies are listed twice: {list(self.strategies)}")
+        for name in ("max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        for name in ("gamma", "window"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ---------------------------------------------------------------------------------------------------- samples
+@dataclass
+class Counters:
+    """What one generation did, in the same terms for every strategy (None: not observable for it)."""
+
+    new_tokens: int = 0
+    target_passes: int = 0  # full-model passes that produced new tokens (prefill included for transformers)
+    drafted: int | None = None
+    accepted_at_verify: int | None = None
+    proposed_to_verify: int | None = None
+    accepted_at_target: int | None = None
+    proposed_to_target: int | None = None
+    layer_evals: int = 0  # decoder-layer evaluations beyond one pass over the prompt
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    hierarchy: str | None = None  # hispec: the levels it ran (auto: the chain it chose), e.g. "auto:ngram>L4>full"
+    plain_share: float | None = None  # auto: share of row rounds decoded plainly
+    levels: list | None = None  # hispec: per-level counters (hispec.decoding.LevelStats.as_dict())
+
+
+@dataclass
+class Sample:
+    """One strategy on one prompt, one timed run."""
+
+    seconds: float
+    tokens: list[int]
+    counters: Counters
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / max(self.seconds, 1e-9)
+
+
+@dataclass
+class PromptRecord:
+    index: int
+    category: str
+    text: str
+    prompt_tokens: int
+    samples: dict[str, list[Sample]] = field(default_factory=dict)  # strategy -> one Sample per repeat
+    # strategy -> fp32 logit margin (reference's token minus the strategy's) where it first left the reference
+    margins: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    records: list[PromptRecord]
+    model_info: dict
+    hardware: dict
+    tie_tolerance: float = 0.0
+    predictions: dict = field(default_factory=dict)  # strategy -> latency-model speedup vs ar (calibrated models)
+    predictors: dict = field(default_factory=dict)  # strategy -> f(observed rates) -> predicted speedup vs ar
+
+
+# ---------------------------------------------------------------------------------------------------- counting
+class PassCounter:
+    """Forward hooks on the base model: full vs early-exit passes, their time, decoder-layer evaluations."""
+
+    def __init__(self, base: torch.nn.Module, layers):
+        self.num_layers = len(layers)
+        self.handles = [
+            base.register_forward_pre_hook(self._pre, with_kwargs=True),
+            base.register_forward_hook(self._post, with_kwargs=True),
+        ] + [layer.register_forward_pre_hook(self._layer, with_kwargs=True) for layer in layers]
+        self.reset()
+
+    def reset(self):
+        self.full_passes = self.draft_passes = self.layer_tokens = 0
+        self.full_seconds = self.draft_seconds = self.prefill_seconds = 0.0
+        self._layers_in_call = 0
+        self._t0 = None
+
+    def _pre(self, module, args, kwargs):
+        self._layers_in_call, self._t0 = 0, time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        if self._t0 is None:
+            return
+        dt = time.perf_counter() - self._t0
+        if self._layers_in_call >= self.num_layers:
+            if self.full_passes == 0:
+                self.prefill_seconds += dt
+            else:
+                self.full_seconds += dt
+            self.full_passes += 1
+        else:
+            self.draft_passes += 1
+            self.draft_seconds += dt
+        self._t0 = None
+
+    def _layer(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
+            self.layer_tokens += hidden.shape[0] * hidden.shape[1]
+        self._layers_in_call += 1
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# ---------------------------------------------------------------------------------------------------- running
+class Runner:
+    """Runs one strategy on one prompt (`[1, P]` ids) and returns a `Sample`."""
+
+    def __init__(self, model, config: BenchConfig):
+        self.model, self.config = model, config
+        self.counter = PassCounter(model.base, model.adapter.parts.layers)
+        self.eos = eos_ids(generation_config=model.base.generation_config)
+        gen = model.base.generation_config
+        self.pad = gen.pad_token_id if gen.pad_token_id is not None else (self.eos[0] if self.eos else 0)
+
+    def close(self):
+        self.counter.remove()
+
+    def _hf_kwargs(self, strategy: str, max_new_tokens: int) -> dict:
+        from transformers import GenerationConfig
+
+        cfg = self.config
+        gc = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, num_beams=1, do_sample=not cfg.greedy,
+                  repetition_penalty=1.0, no_repeat_ngram_size=0, eos_token_id=self.eos or None,
+                  pad_token_id=self.pad, bos_token_id=self.model.base.generation_config.bos_token_id)
+        if not cfg.greedy:  # plain temperature sampling, as hispec's (no top-k/top-p warping)
+            gc.update(temperature=cfg.temperature, top_k=0, top_p=1.0, typical_p=1.0)
+        if strategy == "hf-early-exit":
+            gc["assistant_early_exit"] = self.model.draft_layer
+            if cfg.assistant_tokens is not None:
+                gc["num_assistant_tokens"] = cfg.assistant_tokens
+        elif strategy == "hf-prompt-lookup":
+            gc["prompt_lookup_num_tokens"] = cfg.prompt_lookup_tokens
+        return {"generation_config": GenerationConfig(**gc)}
+
+    def run(self, strategy: str, ids: torch.Tensor, mask: torch.Tensor, seed: int,
+            max_new_tokens: int | None = None, gamma: int | None = None, window: int | None = None,
+            model=None) -> Sample:
+        model = model or self.model
+        cfg = self.config
+        n = max_new_tokens or cfg.max_new_tokens
+        P = int(mask.sum())
+        L = model.num_layers
+        self.counter.reset()
+        if strategy in HF_STRATEGIES:
+            kwargs = self._hf_kwargs(strategy, n)
+            torch.manual_seed(seed)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.base.generate(ids, attention_mask=mask, **kwargs)
+            secs = time.perf_counter() - t0
+            tokens, _ = cut_at_eos(out[0, ids.shape[1]:].tolist(), self.eos)
+            c = self.counter
+            counters = Counters(new_tokens=len(tokens), target_passes=c.full_passes,
+                                layer_evals=c.layer_tokens - (P - 1) * L)
+            if strategy == "hf-early-exit":
+                # each draft pass proposes one token; each full pass adds one token of its own
+                counters.drafted = counters.proposed_to_target = c.draft_passes
+                counters.accepted_at_target = max(0, len(tokens) - c.full_passes)
+            counters.seconds.update(prefill=c.prefill_seconds, draft=c.draft_seconds, target=c.full_seconds)
+        else:
+            gen = torch.Generator(device=model.device).manual_seed(seed) if not cfg.greedy else None
+            t0 = time.perf_counter()
+            out = model.generate(ids, mask, max_new_tokens=n, strategy=strategy, do_sample=not cfg.greedy,
+                                 temperature=cfg.temperature if not cfg.greedy else 1.0,
+                                 gamma=gamma if gamma is not None else cfg.gamma,
+                                 window=window if window is not None else cfg.window, ngram=cfg.ngram,
+                                 eos_token_id=self.eos or None, pad_token_id=self.pad, generator=gen)
+            secs = time.perf_counter() - t0
+            s = out.stats
+            tokens = list(out.new_tokens[0])
+            counters = Counters(new_tokens=len(tokens), target_passes=s.target_row_passes,
+                                layer_evals=s.layer_evals - (P - 1) * L, hierarchy=s.strategy)
+            if len(s.levels) > 1:
+                counters.drafted = s.drafted
+                counters.accepted_at_target, counters.proposed_to_target = s.accepted_at_target, s.proposed_to_target
+            if len(s.levels) > 2:
+                counters.accepted_at_verify, counters.proposed_to_verify = s.accepted_at_verify, s.proposed_to_verify
+            if s.row_rounds:
+                counters.plain_share = s.plain_row_rounds / s.row_rounds
+            counters.levels = [lv.as_dict() for lv in s.levels]
+            counters.seconds.update({k: float(v) for k, v in s.seconds.items() if k in STAGES})
+        counters.seconds["other"] = max(0.0, secs - sum(v for k, v in counters.seconds.items() if k != "other"))
+        return Sample(seconds=secs, tokens=tokens, counters=counters)
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    return tqdm(total=total, disable=not enabled, desc=desc, unit="run", dynamic_ncols=True)
+
+
+def _rotated(items, k: int) -> list:
+    items = list(items)
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def encode(model, prompts: list[Prompt], chat: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if model.tokenizer is None:
+        raise ValueError("the model has no tokenizer; the benchmark renders text prompts and needs one")
+    return [tuple(t.to(model.device) for t in encode_prompts(model.tokenizer, [p.text], chat=chat)) for p in prompts]
+
+
+def check_fits(model, encoded, max_new_tokens: int) -> None:
+    """Refuse before any work a prompt that does not fit the context with max_new_tokens."""
+    max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
+    longest = max(int(ids.shape[1]) for ids, _ in encoded)
+    if max_pos and longest + max_new_tokens > max_pos:
+        raise ValueError(f"the longest prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                         f"model's context of {max_pos}; lower --max-new-tokens or choose other prompts")
+
+
+TIE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
+
+
+def tie_tolerance(config: BenchConfig, dtype: torch.dtype) -> float:
+    """Largest fp32 logit margin still read as a rounding tie for a model run in `dtype`."""
+    return config.tie_tolerance if config.tie_tolerance is not None else TIE_TOLERANCE.get(dtype, 0.5)
+
+
+class TieChecker:
+    """Why did a greedy run leave the reference? Re-evaluates the divergence point in fp32.
+
+    In bf16/fp16 two correct computations of the same model (one pass over the prompt, or the prompt then one
+    token; one token or eight at a time) round differently, and greedy decoding follows a different token
+    wherever the top two logits are closer than that rounding. The margin (reference's token minus the
+    strategy's, fp32 logits of the reference model given the common prefix) separates such near-ties (|margin|
+    tiny) from real errors (the strategy chose a clearly worse token).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._fp32 = None
+
+    def _base32(self):
+        if self._fp32 is None:
+            if self.model.dtype == torch.float32:
+                self._fp32 = self.model.base
+            else:
+
+                self._fp32 = copy.deepcopy(self.model.base).float().eval()
+        return self._fp32
+
+    @torch.no_grad()
+    def margin(self, ids: torch.Tensor, mask: torch.Tensor, ref: list[int], other: list[int]) -> float | None:
+        k = _first_mismatch(other, ref)
+        if k is None or k >= min(len(ref), len(other)):
+            return None
+        prompt = ids[0][mask[0].bool()]
+        seq = torch.cat([prompt, torch.tensor(ref[:k], dtype=prompt.dtype, device=prompt.device)])[None]
+        logits = self._base32()(seq).logits[0, -1].float()
+        return float(logits[ref[k]] - logits[other[k]])
+
+    def close(self):
+        self._fp32 = None
+
+
+def run_bench(model, prompts: list[Prompt], config: BenchConfig, progress: bool = False) -> BenchResult:
+    """Decode every prompt with every strategy, interleaved (see module docstring)."""
+    if "hf-early-exit" in config.strategies and model.draft_layer >= model.num_layers:
+        raise ValueError("hf-early-exit needs a draft layer below the model's depth")
+    encoded = encode(model, prompts, config.chat)
+    check_fits(model, encoded, config.max_new_tokens)
+    runner = Runner(model, config)
+    records = [PromptRecord(i, p.category, p.text, int(m.sum())) for i, (p, (_, m)) in enumerate(zip(prompts, encoded))]
+    strategies = config.strategies
+    try:
+        with _progress(config.warmup * len(strategies), progress and config.warmup > 0, "warm-up") as bar:
+            for w in range(config.warmup):
+                for s in strategies:
+                    bar.set_postfix_str(s)
+                    runner.run(s, *encoded[0], seed=config.seed, max_new_tokens=min(32, config.max_new_tokens))
+                    bar.update()
+        with _progress(len(prompts) * config.repeats * len(strategies), progress, "bench") as bar:
+            for i, (ids, mask) in enumerate(encoded):
+                for r in range(config.repeats):
+                    seed = config.seed + 1000 * i + r
+                    for s in _rotated(strategies, i * config.repeats + r):
+                        bar.set_postfix_str(f"prompt {i + 1}/{len(encoded)} {s}")
+                        records[i].samples.setdefault(s, []).append(runner.run(s, ids, mask, seed))
+                        bar.update()
+    finally:
+        runner.close()
+    if config.greedy and config.tie_check:
+        ref = next((r for r in (REFERENCE, "ar") if r in strategies), None)
+        checker = TieChecker(model)
+        for rec, (ids, mask) in zip(records, encoded):
+            for s in strategies:
+                if ref is not None and s != ref:
+                    diverged = [x for x in rec.samples[s] if x.tokens != rec.samples[ref][0].tokens]
+                    if diverged:
+                        rec.margins[s] = checker.margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
+        checker.close()
+    predictions, predictors = predict_speedups(model, config)
+    return BenchResult(config=config, records=records, model_info=model_info(model), hardware=hardware_info(),
+                       tie_tolerance=tie_tolerance(config, model.dtype), predictions=predictions,
+                       predictors=predictors)
+
+
+def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
+    """The latency model's speedup over plain decoding (`ar`) for each hispec strategy, from the checkpoint's
+    calibration (acceptances measured on other text than the benchmark's), and per fixed hierarchy a function of
+    observed rates ({"L4>full": a, ..., "ngram_match": m}) giving the same model's prediction with the run's own
+    acceptance (which isolates the cost model's error); ({}, {}) without a usable calibration."""
+    cal = model.hispec_config.calibration
+    if not cal:
+        return {}, {}
+    try:
+        cal = latency.Calibration.from_dict(cal)
+        cal.check(model)
+    except latency.CalibrationError:
+        return {}, {}
+    hc = model.hispec_config
+    kw = dict(gamma=config.gamma or hc.gamma, window=config.window or hc.window,
+              ngram=NgramConfig(**(config.ngram or hc.ngram or {})))
+    plain = latency.time_per_token(["full"], [], cal)
+    out, fns = {}, {}
+    for s in config.strategies:
+        if s in HF_STRATEGIES:
+            continue
+        levels = _auto_chain(model, cal, **kw) if s == "auto" else build_levels(model, parse_hierarchy(s, model),
+                                                                                 **kw)
+        names = [lv.name for lv in levels]
+        t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
+        if s == "auto":  # rows may also decode plainly: the better of the two
+            t = min(t, plain)
+        else:
+            fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(
+                names, gs, cal, acceptance={k: v for k, v in obs.items() if k != "ngram_match" and v is not None},
+                ngram_match=obs.get("ngram_match")))(names, [lv.threshold for lv in levels[:-1]])
+        out[s] = plain / t
+    return out, fns
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, or None when the sequences are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
