@@ -344,3 +344,40 @@ def test_recursive_accept_returns_exact_samples_of_p(case, k):
     exp = p[keep].double() / p[keep].double().sum() * counts.sum()
     pv = stats.chisquare(counts[keep].numpy(), exp.numpy()).pvalue
     assert pv > 1e-4, (case, k, pv)
+
+
+# ---------------------------------------------------------------------------------------------- CLIs
+from test_bench import checkpoint, common, prompts_file, run_cli  # noqa: E402,F401  (fixtures)
+
+
+def test_bench_runs_tree_strategies_losslessly(checkpoint, prompts_file, capsys):  # noqa: F811
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", "hf,self-spec,tree:3x2x1")
+    assert rc == 0, out.err
+    assert summary["lossless"] is True
+    s = summary["strategies"]["tree:3x2x1"]
+    assert s["identical"] == 1.0 and s["tokens_per_target_pass"] >= 1.0 and s["tokens_per_s"] > 0
+    assert s["predicted_speedup_vs_ar"] is None  # the latency model does not model trees
+    assert any(line.startswith("tree:3x2x1 ") for line in out.out.splitlines())
+
+
+def test_bench_refuses_a_bad_tree_before_any_work(checkpoint, prompts_file, capsys):  # noqa: F811
+    rc, out, _ = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", "hf,tree:0x2")
+    assert rc == 2 and "integers >= 1" in out.err
+
+
+def test_generate_cli_takes_a_tree(checkpoint, capsys):  # noqa: F811
+    import json
+
+    from hispec.cli.generate import main as gen_main
+
+    args = ["--model", str(checkpoint), "--prompt", "write a poem.", "--max-new-tokens", "9", "--json",
+            "--threads", "1"]
+    assert gen_main(args + ["--strategy", "ar"]) == 0
+    ref = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert gen_main(args + ["--strategy", "self-spec", "--tree", "3x2x1"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["completion"] == ref["completion"] and got["stats"]["strategy"].endswith("[tree 3x2x1]")
+    assert gen_main(args + ["--tree", "2x0"]) == 2
+    assert "--tree" in capsys.readouterr().err
+    assert gen_main(args + ["--strategy", "hispec", "--tree", "2"]) == 2
+    assert "one draft exit" in capsys.readouterr().err
