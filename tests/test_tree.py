@@ -381,3 +381,41 @@ def test_generate_cli_takes_a_tree(checkpoint, capsys):  # noqa: F811
     assert "--tree" in capsys.readouterr().err
     assert gen_main(args + ["--strategy", "hispec", "--tree", "2"]) == 2
     assert "one draft exit" in capsys.readouterr().err
+
+
+def test_tree_sampling_with_eos_matches_the_truncated_distribution():
+    """EOS accepted inside a tree ends the row there: the law of the output is the model's law of sequences cut
+    after their first EOS (what plain sampling gives)."""
+    model = _tiny_vocab_model()
+    prompt, n, warp, eos = [1, 3, 2], 3, dict(temperature=1.0), 4
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    cut = {}
+    for o, p in zip(outcomes, probs.tolist()):
+        t = o[: o.index(eos) + 1] if eos in o else o
+        cut[t] = cut.get(t, 0.0) + p
+    g = torch.Generator().manual_seed(7)
+    out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="self-spec", do_sample=True,
+                         tree=[3, 2], generator=g, eos_token_id=eos, pad_token_id=0, **warp)
+    samples = [tuple(t) for t in out.new_tokens]
+    assert any(len(s) < n for s in samples)
+    keys = list(cut)
+    p = _chi2_pvalue(samples, keys, torch.tensor([cut[k] for k in keys]))
+    print(f"tree sampling with EOS: chi-square p = {p:.4g}")
+    assert p > 1e-4
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_end_a_tree_row_after_the_completing_token():
+    model = _wrap(_oracle(tiny_model("llama"), 2))
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(0))
+    free = model.generate(ids, max_new_tokens=14, strategy="ar").new_tokens[0]
+    stop = _CharTokenizer().decode(free[5:7])
+    out = model.generate(ids, max_new_tokens=14, strategy="self-spec", tree=[2, 2, 2], stop_strings=[stop],
+                         tokenizer=_CharTokenizer())
+    text = _CharTokenizer().decode(out.new_tokens[0])
+    assert stop in text and stop not in text[:-1]
+    assert out.new_tokens[0] == free[: len(out.new_tokens[0])]
