@@ -904,7 +904,7 @@ def generate(
         levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
                               ngram=ngram)
     if tree is not None:
-        check_tree(tree, levels, max_new_tokens=max_new_tokens, policy=policy)
+        check_tree(tree, levels, max_new_tokens=max_new_tokens, policy=policy, do_sample=do_sample)
     dev = model.device
     input_ids = torch.as_tensor(input_ids, device=dev)
     if input_ids.dim() == 1:

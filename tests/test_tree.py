@@ -419,3 +419,104 @@ def test_stop_strings_end_a_tree_row_after_the_completing_token():
     text = _CharTokenizer().decode(out.new_tokens[0])
     assert stop in text and stop not in text[:-1]
     assert out.new_tokens[0] == free[: len(out.new_tokens[0])]
+
+
+# ---------------------------------------------------------------------------------------------- dynamic trees
+DYNAMIC = ("dyn-3-2-2-5", "dyn-4-3-2-8", "dyn-1-3-1-2", "dyn-5-4-4-16")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_dynamic_tree_equals_hf_generate_for_every_family(family):
+    model = _wrap(tiny_model(family))
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 17)
+    for spec in DYNAMIC:
+        out = model.generate(ids, am, max_new_tokens=17, strategy="self-spec", tree=spec)
+        assert torch.equal(out.sequences, ref), spec
+
+
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_each_row_of_a_dynamic_tree_batch_equals_its_single_run(batch_size):
+    model = _perturbed(seed=batch_size)
+    ids, am = _ragged(batch_size, 8, seed=batch_size)
+    ref = _hf_greedy(model.base, ids, am, 13)
+    out = model.generate(ids, am, max_new_tokens=13, strategy="self-spec", tree="dyn-4-3-3-10")
+    assert torch.equal(out.sequences, ref)
+    for b in range(batch_size):
+        single = model.generate(ids[b : b + 1, am[b].bool()], max_new_tokens=13, strategy="self-spec",
+                                tree="dyn-4-3-3-10")
+        assert single.new_tokens[0] == out.new_tokens[b]
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_dynamic_tree_limit_and_eos_inside_a_tree(oracle):
+    base = tiny_model("mistral")
+    model = _wrap(_oracle(base, 2) if oracle else base)
+    ids, am = _ragged(3, 7)
+    for n in (4, 5, 9):
+        ref = _hf_greedy(model.base, ids, am, n)
+        out = model.generate(ids, am, max_new_tokens=n, strategy="self-spec", tree="dyn-4-2-2-6")
+        assert torch.equal(out.sequences, ref) and all(len(t) == n for t in out.new_tokens)
+    free = _hf_greedy(model.base, ids, am, 20)
+    eos = int(free[0, 7 + 5])
+    ref = _hf_greedy(model.base, ids, am, 20, eos_token_id=eos)
+    out = model.generate(ids, am, max_new_tokens=20, strategy="self-spec", tree="dyn-5-3-2-9", eos_token_id=eos,
+                         pad_token_id=0)
+    assert torch.equal(out.sequences, ref[:, : out.sequences.shape[1]])
+    assert out.new_tokens[0][-1] == eos
+
+
+def test_dynamic_tree_with_oracle_heads_accepts_its_full_depth_and_keeps_no_holes():
+    model = _wrap(_oracle(tiny_model("llama"), 2))
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    ref = _hf_greedy(model.base, ids, torch.ones_like(ids), 21)
+    lengths = []
+    orig = KVCache.truncate
+
+    def spy(self, start, end, keep_below):
+        orig(self, start, end, keep_below)
+        lengths.append((self.get_seq_length(start), int(keep_below.max())))
+
+    KVCache.truncate = spy
+    try:
+        # all 3 + 3 * 6 drafted nodes verified, beam = topk: the oracle's top-1 path is always in the tree
+        out = model.generate(ids, max_new_tokens=21, strategy="self-spec", tree="dyn-4-3-3-30")
+        part = model.generate(ids, max_new_tokens=21, strategy="self-spec", tree="dyn-4-3-2-9")
+    finally:
+        KVCache.truncate = orig
+    assert torch.equal(out.sequences, ref) and torch.equal(part.sequences, ref)
+    assert out.stats.accepted_at_target == out.stats.proposed_to_target
+    assert part.stats.tokens_per_target_pass > 1.5
+    assert lengths and all(phys <= kept for phys, kept in lengths)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_dynamic_tree_with_layer_and_context_heads(family):
+    for model in (_layer_model(family), _context_model(family)):
+        ids, am = _ragged(3, 9)
+        ref = _hf_greedy(model.base, ids, am, 15)
+        out = model.generate(ids, am, max_new_tokens=15, strategy="self-spec", tree="dyn-4-3-2-8")
+        assert torch.equal(out.sequences, ref)
+
+
+def test_a_layer_head_drafts_the_same_in_a_one_path_dynamic_tree_as_in_a_chain():
+    model = _layer_model("llama", scale=0.05)
+    ids, am = _ragged(3, 8, seed=1)
+    chain = model.generate(ids, am, max_new_tokens=16, strategy="self-spec", gamma=3)
+    dyn = model.generate(ids, am, max_new_tokens=16, strategy="self-spec", tree="dyn-3-1-1-3")
+    assert torch.equal(chain.sequences, dyn.sequences)
+    assert chain.stats.accepted_at_target == dyn.stats.accepted_at_target
+
+
+@pytest.mark.parametrize("spec,match", [("dyn-3-2-3-4", "beam"), ("dyn-3-2-2", "expected"), ("dyn-0-2-2-2", "depth"),
+                                        ("dyn-2-2-2-9", "only 6 are drafted"), ("dyn-a-2-2-2", "expected")])
+def test_bad_dynamic_trees_are_refused(spec, match):
+    model = _wrap(tiny_model("llama"))
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.tensor([[5, 6, 7]]), tree=spec)
+
+
+def test_dynamic_trees_refuse_sampling_before_any_work():
+    model = _wrap(tiny_model("llama"))
+    with pytest.raises(ValueError, match="greedy only"):
+        model.generate(torch.tensor([[5, 6, 7]]), tree="dyn-3-2-2-4", do_sample=True)
