@@ -866,7 +866,8 @@ def generate(
 
     `tree`: draft a static tree at level 0 instead of a chain and verify it in one full pass (`hispec.tree`):
     widths per depth, `[4, 2, 1]` or `"4x2x1"` (the root's top-4, each one's top-2, then top-1: 4 + 8 + 8 nodes;
-    sampling draws the children without replacement). Needs a hierarchy of one draft exit under the full model
+    sampling draws the children without replacement), or `"dyn-D-K-B-N"`, a dynamic EAGLE-2-style tree (depth D,
+    top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one draft exit under the full model
     (`self-spec`, `draft>full`, `L4>full`); `gamma` is then unused. Default None: chains.
 
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and

@@ -5,6 +5,7 @@ which every node at depth d-1 has k_d children (the root is the last committed t
 k1*...*kd nodes and the tree N = sum of those. Greedy: a node's children are the draft head's top-k_d tokens at
 that node. Sampling: they are k_d draws *without replacement* from the draft distribution q at that node.
 `tree=[1]*gamma` is a chain of gamma drafts (the same tokens as `self-spec`, verified by the tree machinery).
+`tree="dyn-D-K-B-N"` is a dynamic EAGLE-2-style tree, greedy only (`DynamicTreeSpec`, `dynamic_round`).
 
 One round, for every row of the batch (rows keep their own trees; a row's depth is cut to the tokens it may
 still produce, deeper nodes are invalid slots for it):
