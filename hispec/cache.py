@@ -103,6 +103,30 @@ class KVCache:
             self._length[i] = min(self._length[i], new_len)
         self.set_slot_meta(start, end, valid, pos)
 
+    def compact(self, start: int, end: int, from_slot: int, index: torch.Tensor, keep: torch.Tensor) -> None:
+        """Compact layers `[start, end)` past `from_slot`: row b's slot `from_slot + i` becomes its old slot
+        `from_slot + index[b, i]` (`index`, `keep` `[B, A]`), valid only where `keep` (and valid before); the
+        layers end at `from_slot + A`. Tree drafts keep each row's accepted path this way and drop the rest."""
+        if start >= end:
+            return
+        valid, pos = self.slot_meta(start)
+        A = index.shape[1]
+        src = (from_slot + index).to(pos.device)
+        if A and (int(src.max()) >= valid.shape[1] or int(src.min()) < from_slot):
+            raise ValueError(f"compact: index points outside slots {from_slot}..{valid.shape[1] - 1}")
+        new_valid = torch.cat([valid[:, :from_slot], valid.gather(1, src) & keep.to(valid.device)], 1)
+        new_pos = torch.cat([pos[:, :from_slot], pos.gather(1, src)], 1)
+        for i in range(start, end):
+            k, v = self._keys[i], self._values[i]
+            if k is None:
+                continue
+            idx = src[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            gk, gv = k.gather(2, idx), v.gather(2, idx)  # gathered before writing: the ranges overlap
+            k[:, :, from_slot : from_slot + A] = gk
+            v[:, :, from_slot : from_slot + A] = gv
+            self._length[i] = from_slot + A
+        self.set_slot_meta(start, end, new_valid, new_pos)
+
     def reorder_batch(self, index: torch.Tensor) -> None:
         """Keep rows `index` (e.g. drop finished rows)."""
         for i in range(self.num_layers):

@@ -47,6 +47,7 @@ import torch
 from .heads import ContextInputs
 from .ngram import NgramConfig, propose_batch
 from .sampling import greedy_accept, logits_to_probs, sample, speculative_accept
+from .tree import check_tree, parse_tree, tree_round
 
 NAMED = {
     "ar": ("full",),
@@ -249,8 +250,9 @@ class _Run:
     """State and steps of one batched generation call."""
 
     def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer,
-                 ngram: NgramConfig, policy=None):
+                 ngram: NgramConfig, policy=None, tree=None):
         self.model, self.adapter, self.levels = model, model.adapter, levels
+        self.tree = tree  # a hispec.tree.TreeSpec: level 0 drafts trees (hispec/tree.py), else chains
         self.K = len(levels) - 1
         self.bounds = [0] + [lv.exit_layer for lv in levels]
         self.do_sample, self.warp, self.generator = do_sample, warp, generator
@@ -600,6 +602,10 @@ class _Run:
         self.prefill()
         alive = self.commit()
         while alive:
+            if self.tree is not None:
+                tree_round(self, self.tree)
+                alive = self.commit()
+                continue
             if self.policy is not None:
                 self.policy.choose(self)
             self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))
@@ -847,6 +853,7 @@ def generate(
     generator: torch.Generator | None = None,
     tokenizer=None,
     policy=None,
+    tree=None,
 ) -> GenerationOutput:
     """Generate with an `EarlyExitModel`. `input_ids` `[B, P]` may be left-padded (give `attention_mask`).
 
@@ -856,6 +863,12 @@ def generate(
     level's (one per level below the full model); `ngram` configures the n-gram level (`NgramConfig` or its fields:
     max_ngram, min_ngram, max_len — max_len is that level's gamma). Defaults come from the checkpoint's config;
     eos/pad from the base model's generation config. Strategies ignore what they do not use.
+
+    `tree`: draft a static tree at level 0 instead of a chain and verify it in one full pass (`hispec.tree`):
+    widths per depth, `[4, 2, 1]` or `"4x2x1"` (the root's top-4, each one's top-2, then top-1: 4 + 8 + 8 nodes;
+    sampling draws the children without replacement), or `"dyn-D-K-B-N"`, a dynamic EAGLE-2-style tree (depth D,
+    top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one draft exit under the full model
+    (`self-spec`, `draft>full`, `L4>full`); `gamma` is then unused. Default None: chains.
 
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
     `keep_rows(idx)` that sets the per-row gammas `run.gam` between rounds (see `_AutoPolicy`, which `auto` uses).
@@ -878,8 +891,12 @@ def generate(
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    tree = parse_tree(tree)
     if strategy is None:
-        strategy = default_strategy(model)
+        strategy = "self-spec" if tree is not None else default_strategy(model)
+    if tree is not None and strategy == "auto":
+        raise ValueError("tree drafts need a fixed hierarchy of one draft exit under the full model (e.g. "
+                         "strategy='self-spec'), not 'auto'")
     policy_cal = None
     if strategy == "auto":
         policy_cal = _calibration(model)
@@ -887,6 +904,8 @@ def generate(
     else:
         levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
                               ngram=ngram)
+    if tree is not None:
+        check_tree(tree, levels, max_new_tokens=max_new_tokens, policy=policy, do_sample=do_sample)
     dev = model.device
     input_ids = torch.as_tensor(input_ids, device=dev)
     if input_ids.dim() == 1:
@@ -938,8 +957,11 @@ def generate(
         streamer=streamer,
         ngram=ngram,
         policy=policy,
+        tree=tree,
     )
     run.stats.strategy = ("auto:" if policy_cal is not None else "") + ">".join(lv.name for lv in levels)
+    if tree is not None:
+        run.stats.strategy += f"[tree {tree}]"
     if streamer is not None:
         streamer.put(input_ids.cpu())
     if max_new_tokens == 0:

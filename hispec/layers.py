@@ -532,10 +532,16 @@ class DecoderAdapter:
         """A cache for the model's layers plus `extra` layers of exit heads (indices num_layers, ...)."""
         return KVCache(self.num_layers + extra, batch_size, device=self.device)
 
-    def _masks(self, kv_valid, kv_pos, q_pos, types: set[str], dtype) -> dict[str, torch.Tensor | None]:
-        # kv_valid, kv_pos: [B, K]; q_pos: [B, T]; the T queries are the last T slots.
+    def _masks(self, kv_valid, kv_pos, q_pos, types: set[str], dtype, allow=None) -> dict[str, torch.Tensor | None]:
+        # kv_valid, kv_pos: [B, K]; q_pos: [B, T]; the T queries are the last T slots. `allow` ([B or 1, T, K]
+        # bool, optional) is ANDed in: a tree pass's ancestry (siblings share a position, so (valid, position)
+        # alone cannot keep a node from seeing its siblings and their descendants).
         T, K = q_pos.shape[1], kv_pos.shape[1]
         allowed = kv_valid[:, None, :] & (kv_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, K]
+        if allow is not None:
+            if allow.shape[-2:] != (T, K):
+                raise ValueError(f"allow mask {tuple(allow.shape)} does not match {T} queries over {K} slots")
+            allowed = allowed & allow.to(allowed.device)
         own = torch.zeros(T, K, dtype=torch.bool, device=allowed.device)
         own[torch.arange(T), torch.arange(K - T, K)] = True  # a padded query attends to itself: no NaN
         impl = self.attn_implementation
@@ -561,13 +567,13 @@ class DecoderAdapter:
             masks[t] = m
         return masks
 
-    def _prepare(self, hidden, position_ids, valid, cache, slot_layer: int, types: set[str]):
+    def _prepare(self, hidden, position_ids, valid, cache, slot_layer: int, types: set[str], allow=None):
         if valid is None:
             valid = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         old_valid, old_pos = cache.slot_meta(slot_layer)
         kv_valid = torch.cat([old_valid, valid], 1)
         kv_pos = torch.cat([old_pos, position_ids], 1)
-        masks = self._masks(kv_valid, kv_pos, position_ids, types, hidden.dtype)
+        masks = self._masks(kv_valid, kv_pos, position_ids, types, hidden.dtype, allow)
         rotary = {}
         if self.parts.rotary is not None:
             if self._rotary_by_type:
@@ -594,17 +600,20 @@ class DecoderAdapter:
         position_ids: torch.Tensor,
         cache: KVCache,
         valid: torch.Tensor | None = None,
+        allow: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run decoder layers `[start, end)` over `hidden` `[B, T, H]`, appending T slots to their cache.
 
         `position_ids` `[B, T]` are absolute; `valid` `[B, T]` (default all True) marks real tokens — invalid
         ones (padding, or a row with fewer new tokens) are written as masked slots and their outputs are junk.
+        `allow` `[B or 1, T, S + T]` (S: the slots already cached) further restricts what each query may attend
+        to (tree drafts: a node sees only its ancestors among the tree's slots).
         """
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is out of range for a {self.num_layers}-layer model")
         cache.seq_length(start, end)
         types = set(self.layer_types[start:end])
-        kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types)
+        kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types, allow)
         for i in range(start, end):
             hidden = self._call_layer(self.parts.layers[i], self.layer_types[i], hidden, position_ids, cache, masks,
                                       rotary)
@@ -621,6 +630,7 @@ class DecoderAdapter:
         position_ids: torch.Tensor,
         cache: KVCache,
         valid: torch.Tensor | None = None,
+        allow: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one extra decoder layer (a `layer` exit head: a copy of a base layer whose attention writes to
         cache layer `cache_index`, beyond the model's own) exactly as `run_layers` runs the model's layers."""
@@ -628,7 +638,8 @@ class DecoderAdapter:
             raise ValueError(f"unknown layer type {layer_type!r}")
         if not self.num_layers <= cache_index < cache.num_layers:
             raise ValueError(f"cache index {cache_index} is not an extra slot of this cache ({cache.num_layers} layers)")
-        kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, cache_index, {layer_type})
+        kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, cache_index, {layer_type},
+                                                        allow)
         hidden = self._call_layer(layer, layer_type, hidden, position_ids, cache, masks, rotary)
         cache.set_slot_meta(cache_index, cache_index + 1, kv_valid, kv_pos)
         return hidden

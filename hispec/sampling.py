@@ -80,3 +80,46 @@ def speculative_accept(cands: torch.Tensor, m: torch.Tensor, q_rows: torch.Tenso
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_a)  # p == q: residual is empty
     return a, sample(residual, generator)
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None):
+    """k draws without replacement from `probs` `[B, V]` (Gumbel top-k: the same law as drawing one at a time and
+    renormalising the rest) -> (tokens `[B, k]` in draw order, valid `[B, k]`: False once the mass is used up)."""
+    u = torch.rand(probs.shape, device=probs.device, generator=generator, dtype=torch.float64)
+    keys = probs.double().log() - (-u.clamp(min=1e-300).log()).log()
+    keys = keys.masked_fill(probs <= 0, float("-inf"))
+    top = keys.topk(k, dim=-1)
+    return top.indices, torch.isfinite(top.values)
+
+
+def recursive_accept(p: torch.Tensor, q: torch.Tensor, cands: torch.Tensor, valid: torch.Tensor,
+                     generator: torch.Generator | None = None):
+    """Multi-candidate speculative sampling for candidates drawn from `q` *without replacement* (recursive
+    rejection sampling; SpecInfer / EAGLE-2 / Jeon et al.). `p`, `q` `[B, V]`, `cands` `[B, k]` in draw order,
+    `valid` `[B, k]` (False: no candidate; rows with none valid simply get `p` back).
+
+    Candidate r (drawn from q_r = q without candidates < r, renormalised) is accepted with probability
+    min(1, p_r(x)/q_r(x)); on rejection p_{r+1} = norm(max(p_r - q_r, 0)) and q_{r+1} = norm(q_r without x). Each
+    step is ordinary speculative sampling toward p_r with a draft that really is distributed as q_r given what came
+    before, so the accepted candidate, or a sample of the final residual, is an exact sample of p.
+    -> (index of the accepted candidate `[B]` (-1: none), the residual to sample from when none `[B, V]`)."""
+    B, k = cands.shape
+    acc = torch.full((B,), -1, dtype=torch.long, device=p.device)
+    p, q = p.clone(), q.clone()
+    for r in range(k):
+        x = cands[:, r : r + 1]
+        qx, px = q.gather(-1, x)[:, 0], p.gather(-1, x)[:, 0]
+        u = torch.rand(B, device=p.device, generator=generator)
+        ok = valid[:, r] & (acc < 0) & (qx > 0)
+        hit = ok & (u * qx <= px)
+        acc = torch.where(hit, torch.full_like(acc, r), acc)
+        rej = ok & ~hit
+        res = (p - q).clamp(min=0)
+        tot = res.sum(-1, keepdim=True)
+        res = torch.where(tot > 0, res / tot.clamp(min=1e-30), p)
+        q2 = q.scatter(-1, x, 0.0)
+        qt = q2.sum(-1, keepdim=True)
+        q2 = torch.where(qt > 0, q2 / qt.clamp(min=1e-30), q2)
+        p = torch.where(rej[:, None], res, p)
+        q = torch.where(rej[:, None], q2, q)
+    return acc, p

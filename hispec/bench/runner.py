@@ -16,6 +16,7 @@ from ..decoding import STRATEGIES as HISPEC_STRATEGIES
 from ..decoding import _auto_chain, build_levels, parse_hierarchy
 from ..ngram import NgramConfig
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
+from ..tree import parse_tree
 from .env import hardware_info, model_info
 
 
@@ -24,6 +25,14 @@ STRATEGIES = HF_STRATEGIES + HISPEC_STRATEGIES
 REFERENCE = "hf"
 STAGES = ("prefill", "draft", "verify", "target", "other")
 SWEEPABLE = ("self-spec", "hispec")
+TREE_PREFIX = "tree:"  # strategy "tree:4x2x1": self-spec drafting that static tree (hispec.tree)
+
+
+def tree_of(strategy: str):
+    """`"tree:4x2x1"` -> its TreeSpec (ValueError when malformed); None for any other strategy."""
+    if not strategy.startswith(TREE_PREFIX):
+        return None
+    return parse_tree(strategy[len(TREE_PREFIX):])
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -48,7 +57,7 @@ class BenchConfig:
 
     def __post_init__(self):
         self.strategies = tuple(self.strategies)
-        unknown = [s for s in self.strategies if s not in STRATEGIES and ">" not in s]
+        unknown = [s for s in self.strategies if s not in STRATEGIES and ">" not in s and tree_of(s) is None]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
                              "such as ngram>L4>full")
@@ -234,7 +243,9 @@ class Runner:
         else:
             gen = torch.Generator(device=model.device).manual_seed(seed) if not cfg.greedy else None
             t0 = time.perf_counter()
-            out = model.generate(ids, mask, max_new_tokens=n, strategy=strategy, do_sample=not cfg.greedy,
+            tree = tree_of(strategy)
+            out = model.generate(ids, mask, max_new_tokens=n, strategy="self-spec" if tree else strategy,
+                                 tree=tree, do_sample=not cfg.greedy,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
                                  gamma=gamma if gamma is not None else cfg.gamma,
                                  window=window if window is not None else cfg.window, ngram=cfg.ngram,
@@ -388,7 +399,7 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:
-        if s in HF_STRATEGIES:
+        if s in HF_STRATEGIES or tree_of(s) is not None:  # the latency model has no trees
             continue
         levels = _auto_chain(model, cal, **kw) if s == "auto" else build_levels(model, parse_hierarchy(s, model),
                                                                                  **kw)

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, help="drafts of the lowest exit per round (default: checkpoint's)")
     p.add_argument("--window", type=int, help="tokens a higher exit gathers before the next level verifies "
                                               "(default: checkpoint's)")
+    p.add_argument("--tree", metavar="WIDTHS",
+                   help="draft a static tree instead of a chain, children per node at each depth, e.g. 4x2x1 "
+                        "(self-spec / draft>full only; verified in one full pass; see hispec.tree), or a dynamic tree "
+                        "dyn-DEPTH-TOPK-BEAM-NODES, e.g. dyn-5-4-4-16 (greedy only)")
     p.add_argument("--ngram-max", type=int, help="n-gram level: longest suffix matched (default 3)")
     p.add_argument("--ngram-min", type=int, help="n-gram level: shortest suffix tried (default 1)")
     p.add_argument("--ngram-tokens", type=int, help="n-gram level: most tokens proposed per round (default 8)")
@@ -80,6 +84,13 @@ def main(argv=None) -> int:
     if args.stream and args.batch_size != 1:
         print("error: --stream needs --batch-size 1", file=sys.stderr)
         return 2
+    from ..tree import parse_tree
+
+    try:
+        parse_tree(args.tree)
+    except ValueError as e:
+        print(f"error: --tree: {e}", file=sys.stderr)
+        return 2
     import torch
 
     from ..prompts import encode_prompts, load_prompts
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
             out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                                  do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, gamma=args.gamma, window=args.window, ngram=ngram,
-                                 streamer=streamer, generator=generator)
+                                 streamer=streamer, generator=generator, tree=args.tree)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -1,0 +1,617 @@
+"""Tree drafts at level 0: branch on the draft head's top candidates, verify the whole tree in one full pass.
+
+Format. `tree=[k1, k2, ..., kD]` (or the string `"k1x k2x...xkD"`, e.g. `"4x2x1"`): a static tree of depth D in
+which every node at depth d-1 has k_d children (the root is the last committed token), so depth d holds
+k1*...*kd nodes and the tree N = sum of those. Greedy: a node's children are the draft head's top-k_d tokens at
+that node. Sampling: they are k_d draws *without replacement* from the draft distribution q at that node.
+`tree=[1]*gamma` is a chain of gamma drafts (the same tokens as `self-spec`, verified by the tree machinery).
+`tree="dyn-D-K-B-N"` is a dynamic EAGLE-2-style tree, greedy only (`DynamicTreeSpec`, `dynamic_round`).
+
+One round, for every row of the batch (rows keep their own trees; a row's depth is cut to the tokens it may
+still produce, deeper nodes are invalid slots for it):
+1. Range 0 (the draft exit's layers) runs over the row's pending committed position(s), as in a chain round; its
+   draft logits give depth 1. Then, for d = 1..D-1, one batched pass of range 0 (+ a `layer` head's own layer)
+   over all depth-d nodes gives depth d+1. All nodes at depth d share the absolute position seq + d - 1.
+2. Range 0 over the depth-D nodes, then ONE pass of the verifier's range (the rest of the model) over the
+   row's pending position(s) and all N nodes gives the full model's row at the root and at every node.
+3. Greedy: the deepest path whose every token equals the full model's argmax at its parent, then the full
+   model's token at the end of the path. Sampling: per depth, recursive rejection sampling over the current
+   node's children (`hispec.sampling.recursive_accept`); a residual sample when all are rejected, else the next
+   depth; the full model's own sample after the deepest accepted node. An accepted EOS ends the path.
+
+Masks. Attention masks come from each slot's (valid, position) as everywhere in hispec; a tree pass adds an
+explicit `allow` mask (`DecoderAdapter.run_layers(allow=...)`): among this round's tree slots a node sees only
+itself and its ancestors (siblings share a position, so position alone cannot separate them); every slot before
+the tree is decided by (valid, position) as usual.
+
+Rollback. The tree's slots sit at the end of each range's cache (range 0, the verifier's range, a `layer` head's
+extra layer), in node order. Afterwards `KVCache.compact` moves each row's accepted path to the front of that
+tail and drops the rest, and `KVCache.truncate` cuts everything at the new length, so the cache holds exactly
+what a chain that drafted the accepted tokens would hold (KV of accepted nodes is reused, never recomputed).
+The exit states (`hid[1]`) and, for `context` heads, the final states (`fin`) of the accepted positions are
+written to their per-position buffers; `done[0] = done[1] = ver[1] - 1` as after a chain verification.
+
+Why it is lossless: greedy commits only tokens equal to the full model's argmax given the committed prefix (each
+path node was computed with exactly its ancestors as context), plus the full model's own token; sampling is
+ordinary speculative sampling per step with a draft that is distributed as the stored q given everything
+before it (children without replacement: the renormalised q), so each committed token is an exact sample of p.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import sampling
+
+MAX_TREE_NODES = 256  # one verification pass over this many positions (the cost stops being flat far below)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    widths: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def counts(self) -> list[int]:  # nodes per depth 1..D
+        out, n = [], 1
+        for k in self.widths:
+            n *= k
+            out.append(n)
+        return out
+
+    @property
+    def size(self) -> int:
+        return sum(self.counts)
+
+    def __str__(self) -> str:
+        return "x".join(str(k) for k in self.widths)
+
+
+def parse_tree(tree):
+    """`None` -> None (chains); `[k1, ..., kD]`, `(k1, ...)` or `"k1xk2x..."` / `"k1,k2,..."` -> TreeSpec;
+    `"dyn-D-K-B-N"` -> DynamicTreeSpec (greedy only); anything else -> ValueError."""
+    if tree is None:
+        return None
+    if isinstance(tree, (TreeSpec, DynamicTreeSpec)):
+        return tree
+    if isinstance(tree, str) and tree.strip().lower().startswith("dyn"):
+        return parse_dynamic(tree.strip().lower())
+    if isinstance(tree, str):
+        parts = [p.strip() for p in tree.replace(",", "x").lower().split("x")]
+        try:
+            widths = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"tree {tree!r}: expected widths per depth such as '4x2x1' or [4, 2, 1]") from None
+    elif isinstance(tree, (list, tuple)):
+        widths = list(tree)
+    else:
+        raise ValueError(f"tree must be a list of widths per depth (e.g. [4, 2, 1]) or a string '4x2x1', "
+                         f"got {tree!r}")
+    if not widths:
+        raise ValueError("tree is empty: give at least one depth, e.g. [4, 2, 1]")
+    for k in widths:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"tree widths must be integers >= 1, got {tree!r}")
+    spec = TreeSpec(tuple(widths))
+    if spec.size > MAX_TREE_NODES:
+        raise ValueError(f"tree {spec} has {spec.size} nodes; at most {MAX_TREE_NODES} are verified in one pass")
+    return spec
+
+
+def check_tree(spec, levels, *, max_new_tokens: int, policy, do_sample: bool = False) -> None:
+    """Trees need a draft exit directly under the full model; refuse anything else before any work."""
+    if do_sample and isinstance(spec, DynamicTreeSpec):
+        raise ValueError(f"dynamic tree {spec} is greedy only: which drafted children it keeps depends on their own "
+                         f"draft probabilities, which no lossless sampling rule here allows; use a static tree "
+                         f"such as [4, 2, 1] when sampling")
+    kinds = [lv.kind for lv in levels]
+    if kinds != ["exit", "full"]:
+        raise ValueError(f"tree drafts need a hierarchy of one draft exit under the full model (e.g. 'self-spec' "
+                         f"or 'draft>full'), got {'>'.join(lv.name for lv in levels)}")
+    if policy is not None:
+        raise ValueError("tree drafts do not take a policy (strategy='auto' changes chain lengths, not trees)")
+    if max_new_tokens and spec.depth > max_new_tokens:
+        raise ValueError(f"tree {spec} is {spec.depth} deep but max_new_tokens is {max_new_tokens}; "
+                         f"a tree deeper than the tokens to generate drafts nothing that can be used")
+
+
+class _Layout:
+    """Node ids by depth (depth 1 first), parents, depths, ancestry — the same for every row."""
+
+    def __init__(self, spec: TreeSpec, device):
+        self.spec = spec
+        counts = spec.counts
+        self.offset = [0]
+        for n in counts:
+            self.offset.append(self.offset[-1] + n)
+        N = spec.size
+        parent, depth = [], []
+        for d, (k, n) in enumerate(zip(spec.widths, counts), start=1):
+            for j in range(n):
+                parent.append(-1 if d == 1 else self.offset[d - 2] + j // k)
+                depth.append(d)
+        self.parent = torch.tensor(parent, dtype=torch.long, device=device)
+        self.depth = torch.tensor(depth, dtype=torch.long, device=device)
+        anc = torch.eye(N, dtype=torch.bool, device=device)
+        for i in range(N):  # parents come before children
+            if parent[i] >= 0:
+                anc[i] |= anc[parent[i]]
+        self.anc = anc  # anc[i, j]: j is i or an ancestor of i
+
+    def nodes(self, d: int) -> slice:
+        return slice(self.offset[d - 1], self.offset[d])
+
+
+def _allow(lay: _Layout, q_nodes: torch.Tensor, slot_nodes: torch.Tensor, before: int, q_plain: int = 0):
+    """`[1, q_plain + len(q_nodes), before + q_plain + len(slot_nodes)]`: plain queries / slots (the first
+    `q_plain` queries, the first `before + q_plain` slots) follow (valid, position) alone; tree queries see tree
+    slots only where they are an ancestor or themselves."""
+    Tq, S = q_plain + len(q_nodes), before + q_plain + len(slot_nodes)
+    m = torch.ones(Tq, S, dtype=torch.bool, device=lay.anc.device)
+    if len(q_nodes) and len(slot_nodes):
+        m[q_plain:, before + q_plain:] = lay.anc[q_nodes][:, slot_nodes]
+    return m[None]
+
+
+def tree_round(run, spec):
+    """One tree round for every row of `run` (a `hispec.decoding._Run` with levels [exit, full])."""
+    if isinstance(spec, DynamicTreeSpec):
+        return dynamic_round(run, spec)
+    ad, cache = run.adapter, run.cache
+    lay = getattr(run, "_tree_layout", None)
+    if lay is None:
+        lay = run._tree_layout = _Layout(spec, run.seq.device)
+    st0, st1 = run.stats.levels
+    dev = run.seq.device
+    B, N, D = len(run.seq), spec.size, spec.depth
+    rows = torch.arange(B, device=dev)
+    a0, a1, L = run.bounds
+    head = run.state_heads[0]
+    H = ad.hidden_size
+    t0 = time.perf_counter()
+
+    seq = run.seq.clone()  # tokens [0, seq) are committed; seq - 1 has passed no range yet
+    depth_cap = (run.limit - seq).clamp(min=0, max=D)  # per row: drafts that can still be committed
+    # ---------------------------------------------------------------- drafting
+    out, start, hf = run._advance(0, seq)
+    if out is None:
+        raise RuntimeError("tree round: the newest committed token has already passed the draft range")
+    last = (seq - 1 - start).clamp(min=0)
+    logits = run._logits(0, out[rows, last][:, None], None if hf is None else hf[rows, last][:, None],
+                         pos=(seq - 1)[:, None])  # [B, 1, V]
+    ntok = torch.zeros(B, N, dtype=torch.long, device=dev)
+    nvalid = torch.zeros(B, N, dtype=torch.bool, device=dev)
+    h_exit = torch.zeros(B, N, H, dtype=out.dtype, device=dev)  # range 0's output per node
+    V = logits.shape[-1]
+    qrows = torch.zeros(B, 1 + N, V, dtype=torch.float32, device=dev) if run.do_sample else None  # 0: root
+    T0 = {0: cache.seq_length(a0, a1)}  # where the tree's slots start in each cache
+    if head is not None:
+        T0["h"] = cache.get_seq_length(head.cache_index)
+
+    def children(d: int, parent_logits: torch.Tensor, parent_valid: torch.Tensor):
+        """Depth d's tokens from their parents' draft logits `[B, n_{d-1}, V]`."""
+        k, sl = spec.widths[d - 1], lay.nodes(d)
+        if run.do_sample:
+            q = sampling.logits_to_probs(parent_logits, **run.warp)
+            first = 0 if d == 1 else 1 + lay.offset[d - 2]
+            qrows[:, first : first + q.shape[1]] = q
+            tk, ok = sampling.sample_without_replacement(q.reshape(-1, V), k, run.generator)
+            tk, ok = tk.reshape(B, -1), ok.reshape(B, -1)
+        else:
+            tk = parent_logits.topk(k, dim=-1).indices.reshape(B, -1)
+            ok = torch.ones_like(tk, dtype=torch.bool)
+        ok = ok & parent_valid.repeat_interleave(k, dim=1) & (d <= depth_cap)[:, None]
+        ntok[:, sl], nvalid[:, sl] = tk, ok
+
+    def range0(d: int, want_logits: bool):
+        """Range 0 (+ a `layer` head's layer) over the depth-d nodes; their draft logits if wanted."""
+        sl = lay.nodes(d)
+        q_nodes = torch.arange(sl.start, sl.stop, device=dev)
+        slot_nodes = torch.arange(0, sl.stop, device=dev)  # every node of depths 1..d, in order
+        valid = nvalid[:, sl]
+        pos = torch.where(valid, (seq + d - 1)[:, None], seq[:, None] - 1).expand(-1, len(q_nodes))
+        inp = ad.embed(ntok[:, sl], pos)
+        allow = _allow(lay, q_nodes, slot_nodes, T0[0])
+        o = ad.run_layers(inp, a0, a1, position_ids=pos, cache=cache, valid=valid, allow=allow)
+        st0.layer_evals += int(valid.sum()) * (a1 - a0)
+        h_exit[:, sl] = o
+        feats = None
+        if head is not None:
+            allow_h = _allow(lay, q_nodes, slot_nodes, T0["h"])
+
+            def run_layer(module, hidden):
+                return ad.run_module(module, head.layer_type, hidden, cache_index=head.cache_index,
+                                     position_ids=pos, cache=cache, valid=valid, allow=allow_h)
+
+            feats = head(o, run_layer)
+            st0.layer_evals += int(valid.sum())
+        if not want_logits:
+            return None
+        return run._logits(0, o, feats, pos=pos)
+
+    children(1, logits, torch.ones(B, 1, dtype=torch.bool, device=dev))
+    st0.passes += 1
+    st0.row_passes += B
+    for d in range(1, D):
+        lg = range0(d, True)
+        children(d + 1, lg, nvalid[:, lay.nodes(d)])
+        st0.passes += 1
+        st0.row_passes += int(nvalid[:, lay.nodes(d)].any(1).sum())
+    st0.proposed += int(nvalid.sum())
+    st0.proposals += B
+    st0.seconds += time.perf_counter() - t0
+    t1 = time.perf_counter()
+
+    # ---------------------------------------------------------------- verification (one pass of the rest)
+    range0(D, False)
+    pstart = run.done[1]
+    P = int((seq - pstart).max())
+    ar = torch.arange(P, device=dev)
+    pvalid = ar < (seq - pstart)[:, None]
+    ppos = torch.where(pvalid, pstart[:, None] + ar, (seq - 1)[:, None])
+    pin = run.hid[1].gather(1, ppos[..., None].expand(-1, -1, H))
+    npos = torch.where(nvalid, seq[:, None] + lay.depth[None] - 1, (seq - 1)[:, None])
+    inp = torch.cat([pin, h_exit], 1)
+    pos = torch.cat([ppos, npos], 1)
+    valid = torch.cat([pvalid, nvalid], 1)
+    T0[1] = cache.seq_length(a1, L)
+    all_nodes = torch.arange(N, device=dev)
+    allow = _allow(lay, all_nodes, all_nodes, T0[1], q_plain=P)
+    T0[1] += P  # the tree's own slots start after the pending positions
+    o = ad.run_layers(inp, a1, L, position_ids=pos, cache=cache, valid=valid, allow=allow)
+    st1.layer_evals += int(valid.sum()) * (L - a1)
+    root = o[rows, (seq - 1 - pstart)][:, None]  # the state predicting depth 1
+    flog = run._logits(1, torch.cat([root, o[:, P:]], 1))  # [B, 1 + N, V]: 0 = root, 1 + i = node i
+
+    # ---------------------------------------------------------------- acceptance
+    eos = run.eos
+    path = torch.full((B, D), -1, dtype=torch.long, device=dev)
+    if run.do_sample:
+        prow = sampling.logits_to_probs(flog, **run.warp)
+        cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # -1: the root
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        resid = prow[:, 0].clone()
+        for d in range(1, D + 1):
+            k = spec.widths[d - 1]
+            local = torch.zeros_like(cur) if d == 1 else cur - lay.offset[d - 2]
+            first = lay.offset[d - 1] + local.clamp(min=0) * k
+            kids = first[:, None] + torch.arange(k, device=dev)
+            p_here, q_here = prow[rows, 1 + cur], qrows[rows, 1 + cur]
+            cands, ok = ntok.gather(1, kids), nvalid.gather(1, kids) & alive[:, None]
+            idx, res = sampling.recursive_accept(p_here, q_here, cands, ok, run.generator)
+            stop_here = alive & (idx < 0)
+            resid = torch.where(stop_here[:, None], res, resid)
+            alive = alive & (idx >= 0)
+            cur = torch.where(alive, kids.gather(1, idx.clamp(min=0)[:, None])[:, 0], cur)
+            path[:, d - 1] = torch.where(alive, cur, path[:, d - 1])
+            if eos.numel():
+                alive = alive & ~torch.isin(ntok.gather(1, cur.clamp(min=0)[:, None])[:, 0], eos)
+        resid = torch.where(alive[:, None], prow[rows, 1 + cur], resid)
+        bonus = sampling.sample(resid, run.generator)
+    else:
+        pred = flog.argmax(-1)  # [B, 1 + N]
+        ok = nvalid & (ntok == pred.gather(1, 1 + lay.parent[None].expand(B, -1)))
+        on = torch.zeros_like(ok)
+        for d in range(1, D + 1):
+            sl = lay.nodes(d)
+            par = lay.parent[sl]
+            up = torch.ones(B, sl.stop - sl.start, dtype=torch.bool, device=dev) if d == 1 else on[:, par]
+            on[:, sl] = ok[:, sl] & up
+            hit = on[:, sl]
+            path[:, d - 1] = torch.where(hit.any(1), sl.start + hit.float().argmax(1), -1)
+        cur = torch.full((B,), -1, dtype=torch.long, device=dev)
+        for d in range(D):
+            cur = torch.where(path[:, d] >= 0, path[:, d], cur)
+        bonus = pred[rows, 1 + cur]
+    a = (path >= 0).long().sum(1)  # paths are contiguous from depth 1
+    ended = torch.zeros(B, dtype=torch.bool, device=dev)
+    if eos.numel():  # an accepted EOS ends the row: nothing after it (greedy paths may run past it)
+        is_eos = torch.isin(ntok.gather(1, path.clamp(min=0)), eos) & (path >= 0)
+        first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, a)
+        ended = is_eos.any(1)
+        a = torch.minimum(a, first)
+    keep = torch.arange(D, device=dev)[None] < a[:, None]
+
+    # ---------------------------------------------------------------- commit the path, roll back the rest
+    newpos = seq + a
+    has_new = ~ended & (newpos < run.limit)
+    W = run.tok.shape[1]
+    ppos_path = (seq[:, None] + torch.arange(D, device=dev)).clamp(max=W - 1)
+    ptok = ntok.gather(1, path.clamp(min=0))
+    run.tok.scatter_(1, ppos_path, torch.where(keep, ptok, run.tok.gather(1, ppos_path)))
+    npos_c = newpos.clamp(max=W - 1)
+    run.tok.scatter_(1, npos_c[:, None], torch.where(has_new, bonus, run.tok.gather(1, npos_c[:, None])[:, 0])[:, None])
+    pidx = path.clamp(min=0)
+    r_, c_ = keep.nonzero(as_tuple=True)
+    run.hid[1][r_, seq[r_] + c_] = h_exit[r_, pidx[r_, c_]]
+    if run.fin is not None:
+        pr, pc = pvalid.nonzero(as_tuple=True)
+        run.fin[pr, ppos[pr, pc]] = o[pr, pc]
+        run.fin[r_, seq[r_] + c_] = o[r_, P + pidx[r_, c_]]
+    cache.compact(a0, a1, T0[0], pidx, keep)
+    cache.compact(a1, L, T0[1], pidx, keep)
+    if head is not None:
+        cache.compact(head.cache_index, head.cache_index + 1, T0["h"], pidx, keep)
+    for s, e in ((a0, a1), (a1, L)) + (((head.cache_index, head.cache_index + 1),) if head is not None else ()):
+        cache.truncate(s, e, newpos)
+    run.done[0] = newpos.clone()
+    run.done[1] = newpos.clone()
+    run.seq = newpos + has_new.long()
+    run.ver[1] = run.seq.clone()
+    run.base = run.seq.clone()
+    st1.accepted += int(a.sum())
+    st1.proposed += int(depth_cap.sum())
+    st1.rejections += int((a < depth_cap).sum())
+    st1.passes += 1
+    st1.row_passes += B
+    st1.seconds += time.perf_counter() - t1
+
+
+# ==================================================================================================== dynamic trees
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2-style dynamic tree (greedy only): `depth` levels; the root's top-`topk` children form depth 1; at
+    each depth the `beam` nodes of highest cumulative draft log-probability are expanded by their top-`topk`;
+    finally the `nodes` drafted nodes of highest cumulative log-probability (an ancestor-closed set: a child never
+    scores above its parent, ties go to the shallower node) are verified in one full pass."""
+
+    depth: int
+    topk: int
+    beam: int
+    nodes: int
+
+    @property
+    def size(self) -> int:
+        return self.nodes
+
+    @property
+    def drafted(self) -> int:
+        return self.topk + (self.depth - 1) * self.beam * self.topk
+
+    def __str__(self) -> str:
+        return f"dyn-{self.depth}-{self.topk}-{self.beam}-{self.nodes}"
+
+
+def parse_dynamic(text: str) -> DynamicTreeSpec:
+    """`"dyn-D-K-B-N"` (depth, top-k, beam, nodes verified) -> DynamicTreeSpec; ValueError when malformed."""
+    parts = text.split("-")
+    try:
+        if parts[0] != "dyn" or len(parts) != 5:
+            raise ValueError
+        depth, topk, beam, nodes = (int(p) for p in parts[1:])
+    except ValueError:
+        raise ValueError(f"dynamic tree {text!r}: expected 'dyn-DEPTH-TOPK-BEAM-NODES', e.g. 'dyn-5-4-4-16'") from None
+    spec = DynamicTreeSpec(depth, topk, beam, nodes)
+    for name in ("depth", "topk", "beam", "nodes"):
+        if getattr(spec, name) < 1:
+            raise ValueError(f"dynamic tree {text!r}: {name} must be >= 1")
+    if beam > topk:
+        raise ValueError(f"dynamic tree {text!r}: beam ({beam}) cannot exceed topk ({topk})")
+    if nodes > spec.drafted:
+        raise ValueError(f"dynamic tree {text!r}: {nodes} nodes to verify but only {spec.drafted} are drafted")
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"dynamic tree {text!r}: at most {MAX_TREE_NODES} nodes are verified in one pass")
+    return spec
+
+
+def _rows_gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t `[B, M, ...]`, idx `[B, T]` (-1 allowed: junk) -> `[B, T, ...]`."""
+    i = idx.clamp(min=0)
+    if t.dim() == 2:
+        return t.gather(1, i)
+    return t.gather(1, i.reshape(*i.shape, *([1] * (t.dim() - 2))).expand(*i.shape, *t.shape[2:]))
+
+
+def dynamic_round(run, spec: DynamicTreeSpec):
+    """One dynamic-tree round (greedy) for every row of `run`; see `DynamicTreeSpec` and `tree_round`."""
+    if run.do_sample:
+        raise RuntimeError("dynamic trees are greedy only")
+    ad, cache = run.adapter, run.cache
+    st0, st1 = run.stats.levels
+    dev = run.seq.device
+    B, D, k, nb, NV = len(run.seq), spec.depth, spec.topk, spec.beam, spec.nodes
+    M = spec.drafted
+    rows = torch.arange(B, device=dev)
+    a0, a1, L = run.bounds
+    head = run.state_heads[0]
+    H = ad.hidden_size
+    t0 = time.perf_counter()
+    seq = run.seq.clone()
+    depth_cap = (run.limit - seq).clamp(min=0, max=D)
+
+    out, start, hf = run._advance(0, seq)
+    if out is None:
+        raise RuntimeError("tree round: the newest committed token has already passed the draft range")
+    last = (seq - 1 - start).clamp(min=0)
+    logits = run._logits(0, out[rows, last][:, None], None if hf is None else hf[rows, last][:, None],
+                         pos=(seq - 1)[:, None])
+    ntok = torch.zeros(B, M, dtype=torch.long, device=dev)
+    nvalid = torch.zeros(B, M, dtype=torch.bool, device=dev)
+    score = torch.full((B, M), float("-inf"), dtype=torch.float64, device=dev)
+    par = torch.full((B, M), -1, dtype=torch.long, device=dev)
+    dep = torch.zeros(M, dtype=torch.long, device=dev)
+    anc = torch.zeros(B, M, M, dtype=torch.bool, device=dev)
+    slot0 = torch.full((B, M), -1, dtype=torch.long, device=dev)  # each node's slot in range 0's tree tail
+    h_exit = torch.zeros(B, M, H, dtype=out.dtype, device=dev)
+    T0 = {0: cache.seq_length(a0, a1)}
+    if head is not None:
+        T0["h"] = cache.get_seq_length(head.cache_index)
+    tail_nodes = []  # per range-0 pass, the node ids `[B, T]` (-1: padding) its slots hold
+
+    def add_children(first: int, parents: torch.Tensor, parent_logits: torch.Tensor, parent_ok: torch.Tensor,
+                     d: int):
+        """parents `[B, n]` (-1: the root) -> their top-k children as nodes first .. first + n*k - 1."""
+        lp = torch.log_softmax(parent_logits.float(), -1).double()  # [B, n, V]
+        top = lp.topk(k, dim=-1)
+        n = parents.shape[1]
+        ids = slice(first, first + n * k)
+        base = torch.zeros(B, n, dtype=torch.float64, device=dev) if d == 1 else score.gather(1, parents.clamp(min=0))
+        ntok[:, ids] = top.indices.reshape(B, -1)
+        ok = (parent_ok[..., None] & torch.isfinite(top.values)).reshape(B, -1) & (d <= depth_cap)[:, None]
+        nvalid[:, ids] = ok
+        score[:, ids] = torch.where(ok, (base[..., None] + top.values).reshape(B, -1), float("-inf"))
+        pr = parents.repeat_interleave(k, dim=1)
+        par[:, ids] = pr
+        dep[ids] = d
+        eye = torch.zeros(B, n * k, M, dtype=torch.bool, device=dev)
+        eye[:, torch.arange(n * k, device=dev), torch.arange(first, first + n * k, device=dev)] = True
+        up = torch.where((pr >= 0)[..., None], _rows_gather(anc, pr), torch.zeros_like(eye))
+        anc[:, ids] = eye | up
+
+    def range0(nodes: torch.Tensor, want_logits: bool):
+        """Range 0 (+ a `layer` head) over nodes `[B, T]` (-1: padding); each row's own ancestry masks."""
+        T = nodes.shape[1]
+        valid = (nodes >= 0) & _rows_gather(nvalid, nodes)
+        d = dep[nodes.clamp(min=0)]
+        pos = torch.where(valid, seq[:, None] + d - 1, seq[:, None] - 1)
+        inp = ad.embed(_rows_gather(ntok, nodes), pos)
+        tail = torch.cat(tail_nodes + [nodes], 1)  # [B, S_tree]
+        q_anc = _rows_gather(anc, nodes)  # [B, T, M]
+        tree_allow = q_anc.gather(2, tail.clamp(min=0)[:, None].expand(-1, T, -1)) & (tail >= 0)[:, None]
+        nr, nc = (nodes >= 0).nonzero(as_tuple=True)
+        slot0[nr, nodes[nr, nc]] = sum(t.shape[1] for t in tail_nodes) + nc
+        tail_nodes.append(nodes)
+
+        def allow_for(before):
+            return torch.cat([torch.ones(B, T, before, dtype=torch.bool, device=dev), tree_allow], 2)
+
+        o = ad.run_layers(inp, a0, a1, position_ids=pos, cache=cache, valid=valid, allow=allow_for(T0[0]))
+        st0.layer_evals += int(valid.sum()) * (a1 - a0)
+        r_, c_ = valid.nonzero(as_tuple=True)
+        h_exit[r_, nodes[r_, c_]] = o[r_, c_]
+        feats = None
+        if head is not None:
+            allow_h = allow_for(T0["h"])
+
+            def run_layer(module, hidden):
+                return ad.run_module(module, head.layer_type, hidden, cache_index=head.cache_index,
+                                     position_ids=pos, cache=cache, valid=valid, allow=allow_h)
+
+            feats = head(o, run_layer)
+            st0.layer_evals += int(valid.sum())
+        return run._logits(0, o, feats, pos=pos) if want_logits else None
+
+    add_children(0, torch.full((B, 1), -1, dtype=torch.long, device=dev), logits,
+                 torch.ones(B, 1, dtype=torch.bool, device=dev), 1)
+    st0.passes += 1
+    st0.row_passes += B
+    first, width = 0, k  # the current depth's block of node ids
+    for d in range(1, D):
+        blk = score[:, first : first + width]
+        sel = blk.topk(nb, dim=-1).indices + first  # [B, nb] the best nodes of depth d to expand
+        sel_ok = _rows_gather(nvalid, sel)
+        sel = torch.where(sel_ok, sel, -1)
+        lg = range0(sel, True)
+        first, width = first + width, nb * k
+        add_children(first, sel, lg, sel_ok, d + 1)
+        st0.passes += 1
+        st0.row_passes += int(sel_ok.any(1).sum())
+    st0.proposed += int(nvalid.sum())
+    st0.proposals += B
+    st0.seconds += time.perf_counter() - t0
+    t1 = time.perf_counter()
+
+    # the verified set: the NV best-scoring nodes, parents first (stable sort: a child never outranks its parent)
+    order = torch.sort(-score, dim=1, stable=True).indices[:, :NV]  # [B, NV]
+    vsel = torch.where(_rows_gather(nvalid, order), order, -1)
+    # sort the chosen ones by depth so that every node's parent comes before it (ancestry closure holds anyway)
+    vsel = vsel.gather(1, torch.sort(torch.where(vsel >= 0, dep[vsel.clamp(min=0)], D + 1), dim=1,
+                                     stable=True).indices)
+    todo = torch.where((vsel >= 0) & (_rows_gather(slot0, vsel) < 0), vsel, -1)
+    cnt = (todo >= 0).sum(1)
+    U = int(cnt.max())
+    if U:  # the chosen nodes no draft pass ran: through range 0 now (left-packed)
+        packed = todo.gather(1, torch.sort((todo < 0).long(), dim=1, stable=True).indices)[:, :U]
+        range0(packed, False)
+    selpos = torch.full((B, M), -1, dtype=torch.long, device=dev)
+    ok_v = vsel >= 0
+    vr, vc = ok_v.nonzero(as_tuple=True)
+    selpos[vr, vsel[vr, vc]] = vc
+    vvalid = ok_v & _rows_gather(nvalid, vsel)
+    pstart = run.done[1]
+    P = int((seq - pstart).max())
+    ar = torch.arange(P, device=dev)
+    pvalid = ar < (seq - pstart)[:, None]
+    ppos = torch.where(pvalid, pstart[:, None] + ar, (seq - 1)[:, None])
+    pin = run.hid[1].gather(1, ppos[..., None].expand(-1, -1, H))
+    vdep = dep[vsel.clamp(min=0)]
+    npos = torch.where(vvalid, seq[:, None] + vdep - 1, (seq - 1)[:, None])
+    inp = torch.cat([pin, _rows_gather(h_exit, vsel)], 1)
+    pos = torch.cat([ppos, npos], 1)
+    valid = torch.cat([pvalid, vvalid], 1)
+    T0[1] = cache.seq_length(a1, L)
+    v_anc = _rows_gather(anc, vsel).gather(2, vsel.clamp(min=0)[:, None].expand(-1, NV, -1)) & vvalid[:, None]
+    allow = torch.ones(B, P + NV, T0[1] + P + NV, dtype=torch.bool, device=dev)
+    allow[:, P:, T0[1] + P:] = v_anc
+    T0[1] += P
+    o = ad.run_layers(inp, a1, L, position_ids=pos, cache=cache, valid=valid, allow=allow)
+    st1.layer_evals += int(valid.sum()) * (L - a1)
+    root = o[rows, (seq - 1 - pstart)][:, None]
+    flog = run._logits(1, torch.cat([root, o[:, P:]], 1))  # [B, 1 + NV, V]
+    pred = flog.argmax(-1)
+
+    # greedy acceptance over each row's own tree
+    vpar = _rows_gather(par, vsel)
+    prow = torch.where(vpar >= 0, 1 + _rows_gather(selpos, vpar), 0)
+    match = vvalid & (_rows_gather(ntok, vsel) == pred.gather(1, prow.clamp(min=0))) & ((vpar < 0) | (prow > 0))
+    on = match & (vpar < 0)
+    for _ in range(D - 1):
+        up = torch.where(vpar >= 0, on.gather(1, (prow - 1).clamp(min=0)), torch.ones_like(on))
+        on = match & up
+    path = torch.full((B, D), -1, dtype=torch.long, device=dev)  # node ids by depth
+    for d in range(1, D + 1):
+        hit = on & (vdep == d)
+        path[:, d - 1] = torch.where(hit.any(1), vsel.gather(1, hit.float().argmax(1)[:, None])[:, 0], -1)
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)
+    for d in range(D):
+        cur = torch.where(path[:, d] >= 0, path[:, d], cur)
+    bonus = pred[rows, torch.where(cur >= 0, 1 + selpos.gather(1, cur.clamp(min=0)[:, None])[:, 0], 0)]
+    a = (path >= 0).long().sum(1)
+    ended = torch.zeros(B, dtype=torch.bool, device=dev)
+    eos = run.eos
+    if eos.numel():
+        is_eos = torch.isin(ntok.gather(1, path.clamp(min=0)), eos) & (path >= 0)
+        ended = is_eos.any(1)
+        a = torch.minimum(a, torch.where(ended, is_eos.float().argmax(1) + 1, a))
+    keep = torch.arange(D, device=dev)[None] < a[:, None]
+
+    newpos = seq + a
+    has_new = ~ended & (newpos < run.limit)
+    W = run.tok.shape[1]
+    ppos_path = (seq[:, None] + torch.arange(D, device=dev)).clamp(max=W - 1)
+    ptok = ntok.gather(1, path.clamp(min=0))
+    run.tok.scatter_(1, ppos_path, torch.where(keep, ptok, run.tok.gather(1, ppos_path)))
+    npos_c = newpos.clamp(max=W - 1)
+    run.tok.scatter_(1, npos_c[:, None], torch.where(has_new, bonus, run.tok.gather(1, npos_c[:, None])[:, 0])[:, None])
+    pidx = path.clamp(min=0)
+    idx0 = slot0.gather(1, pidx).clamp(min=0)
+    idx1 = selpos.gather(1, pidx).clamp(min=0)
+    r_, c_ = keep.nonzero(as_tuple=True)
+    run.hid[1][r_, seq[r_] + c_] = h_exit[r_, pidx[r_, c_]]
+    if run.fin is not None:
+        pr, pc = pvalid.nonzero(as_tuple=True)
+        run.fin[pr, ppos[pr, pc]] = o[pr, pc]
+        run.fin[r_, seq[r_] + c_] = o[r_, P + idx1[r_, c_]]
+    cache.compact(a0, a1, T0[0], idx0, keep)
+    cache.compact(a1, L, T0[1], idx1, keep)
+    if head is not None:
+        cache.compact(head.cache_index, head.cache_index + 1, T0["h"], idx0, keep)
+    for s, e in ((a0, a1), (a1, L)) + (((head.cache_index, head.cache_index + 1),) if head is not None else ()):
+        cache.truncate(s, e, newpos)
+    run.done[0] = newpos.clone()
+    run.done[1] = newpos.clone()
+    run.seq = newpos + has_new.long()
+    run.ver[1] = run.seq.clone()
+    run.base = run.seq.clone()
+    st1.accepted += int(a.sum())
+    st1.proposed += int(depth_cap.sum())
+    st1.rejections += int((a < depth_cap).sum())
+    st1.passes += 1
+    st1.row_passes += B
+    st1.seconds += time.perf_counter() - t1
