@@ -313,3 +313,53 @@ def test_unknown_verification_is_refused_naming_the_choices():
     assert sampling.check_verification("hsd") == "hsd"
     with pytest.raises(ValueError, match="token, hsd"):
         sampling.check_verification("foo")
+
+
+# --------------------------------------------------------------------------------------------- checkpoint default
+def _tiny_checkpoint_model(**kw):
+    import hispec
+    from tiny import tiny_model
+
+    base = tiny_model("llama")
+    base.generation_config.eos_token_id = None
+    return hispec.EarlyExitModel.from_base(base, draft_layer=2, verify_layer=4, head_type="shared", **kw)
+
+
+def test_checkpoint_records_and_reads_back_the_verification_default(tmp_path):
+    import json
+
+    import hispec
+    from hispec.model import HispecConfig
+
+    model = _tiny_checkpoint_model(verification="hsd")
+    model.save(tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["hispec"]["decoding"]["verification"] == "hsd"
+    loaded = hispec.load(tmp_path / "ckpt")
+    assert loaded.hispec_config.verification == "hsd"
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = loaded.generate(ids, max_new_tokens=6, strategy="hispec", do_sample=True,
+                          generator=torch.Generator().manual_seed(0))
+    assert out.stats.verification == "hsd" and out.stats.as_dict()["verification"] == "hsd"
+    assert loaded.generate(ids, max_new_tokens=6, strategy="hispec", verification="token").stats.verification == "token"
+    # absent = token (checkpoints written before HSD existed), and a plain config does not grow the key
+    dec = dict(cfg["hispec"]["decoding"])
+    del dec["verification"]
+    assert HispecConfig.from_dict({**cfg["hispec"], "decoding": dec}).verification == "token"
+    assert "verification" not in HispecConfig.from_dict({**cfg["hispec"], "decoding": dec}).to_dict()["decoding"]
+    cfg["hispec"]["decoding"]["verification"] = "foo"
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hispec.CheckpointError, match="verification 'foo' is unknown.*token, hsd"):
+        hispec.load(tmp_path / "ckpt")
+
+
+def test_unknown_verification_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="token, hsd"):
+        _tiny_checkpoint_model(verification="foo")
+    model = _tiny_checkpoint_model()
+    model.hispec_config.verification = "foo"  # set by hand: generate refuses it before touching the model
+    calls = []
+    model.adapter.run_layers = lambda *a, **k: calls.append(1)
+    with pytest.raises(ValueError, match="unknown verification 'foo'"):
+        model.generate(torch.tensor([[5, 6, 7]]), strategy="hispec", do_sample=True)
+    assert not calls
