@@ -5,7 +5,10 @@ Contract:
   interleaved per prompt with a rotating order, so machine drift hits all strategies alike. Strategies:
   `hf` (transformers `generate`, the reference), `hf-early-exit` (`generate(assistant_early_exit=L_d)`: the base
   model's own final norm + lm_head at L_d), `hf-prompt-lookup` (`prompt_lookup_num_tokens`), and hispec's `ar`,
-  `self-spec`, `hispec` (`hispec.decoding.generate`). It returns the raw samples (`BenchResult`).
+  `self-spec`, `hispec` (`hispec.decoding.generate`). It returns the raw samples (`BenchResult`). A hispec
+  strategy may carry the sampling acceptance rule as a suffix, `hispec:hsd` / `hispec:token` (`split_verification`),
+  so both rules run side by side on the same prompts; without one it uses `BenchConfig.verification` (None: the
+  checkpoint's default). Greedy runs are identical under both rules.
 - `summarize(result)` turns samples into figures per strategy and per prompt category (`Summary`): tokens/s (median
   over prompts; a prompt's figure is the median over repeats), speedup vs `hf` and vs `self-spec` (median of
   per-prompt ratios, each measured side by side), tokens per full-model pass, acceptance per stage, decoder-layer
@@ -48,6 +51,32 @@ STRATEGIES = HF_STRATEGIES + HISPEC_STRATEGIES
 REFERENCE = "hf"
 STAGES = ("prefill", "draft", "verify", "target", "other")
 SWEEPABLE = ("self-spec", "hispec")
+VERIFICATION_SUFFIXES = ("token", "hsd")  # hispec.sampling.VERIFICATIONS
+
+
+def split_verification(strategy: str) -> tuple[str, str | None]:
+    """`"hispec:hsd"` -> ("hispec", "hsd"); `"hispec"` -> ("hispec", None). Raises ValueError on a bad suffix."""
+    name, sep, rule = strategy.partition(":")
+    if not sep:
+        return strategy, None
+    if rule not in VERIFICATION_SUFFIXES:
+        raise ValueError(f"strategy {strategy!r}: unknown verification {rule!r} after ':' (choose "
+                         f"{', '.join(VERIFICATION_SUFFIXES)})")
+    if name in HF_STRATEGIES or name == "ar":
+        raise ValueError(f"strategy {strategy!r}: a verification rule applies to hispec's speculative strategies, "
+                         f"not {name!r}")
+    return name, rule
+
+
+def with_both_verifications(strategies) -> tuple[str, ...]:
+    """Each speculative hispec strategy s (no suffix) followed by `s:hsd`, for a side-by-side comparison; the
+    plain name then runs token-wise (set `BenchConfig.verification="token"`)."""
+    out = []
+    for s in strategies:
+        out.append(s)
+        if s not in HF_STRATEGIES and s != "ar" and ":" not in s:
+            out.append(f"{s}:hsd")
+    return tuple(dict.fromkeys(out))
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -69,10 +98,14 @@ class BenchConfig:
     tie_tolerance: float | None = None  # fp32 logit margin below which a divergence is a rounding tie (None: by dtype)
     tie_check: bool = True  # re-evaluate divergences in fp32 (costs one fp32 copy of the base when it is not fp32)
     ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: the checkpoint's / defaults)
+    verification: str | None = None  # sampling acceptance rule of unsuffixed hispec strategies (None: checkpoint's)
 
     def __post_init__(self):
         self.strategies = tuple(self.strategies)
-        unknown = [s for s in self.strategies if s not in STRATEGIES and ">" not in s]
+        if self.verification is not None and self.verification not in VERIFICATION_SUFFIXES:
+            raise ValueError(f"unknown verification {self.verification!r}: choose one of "
+                             f"{', '.join(VERIFICATION_SUFFIXES)}")
+        unknown = [s for s in self.strategies if split_verification(s)[0] not in STRATEGIES and ">" not in s]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
                              "such as ngram>L4>full")
@@ -112,6 +145,7 @@ class Counters:
     layer_evals: int = 0  # decoder-layer evaluations beyond one pass over the prompt
     seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     hierarchy: str | None = None  # hispec: the levels it ran (auto: the chain it chose), e.g. "auto:ngram>L4>full"
+    verification: str | None = None  # hispec: the sampling acceptance rule ("token" | "hsd")
     plain_share: float | None = None  # auto: share of row rounds decoded plainly
     levels: list | None = None  # hispec: per-level counters (hispec.decoding.LevelStats.as_dict())
 
@@ -271,8 +305,10 @@ class Runner:
             counters.seconds.update(prefill=c.prefill_seconds, draft=c.draft_seconds, target=c.full_seconds)
         else:
             gen = torch.Generator(device=model.device).manual_seed(seed) if not cfg.greedy else None
+            name, rule = split_verification(strategy)
             t0 = time.perf_counter()
-            out = model.generate(ids, mask, max_new_tokens=n, strategy=strategy, do_sample=not cfg.greedy,
+            out = model.generate(ids, mask, max_new_tokens=n, strategy=name, do_sample=not cfg.greedy,
+                                 verification=rule or cfg.verification,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
                                  gamma=gamma if gamma is not None else cfg.gamma,
                                  window=window if window is not None else cfg.window, ngram=cfg.ngram,
@@ -281,7 +317,8 @@ class Runner:
             s = out.stats
             tokens = list(out.new_tokens[0])
             counters = Counters(new_tokens=len(tokens), target_passes=s.target_row_passes,
-                                layer_evals=s.layer_evals - (P - 1) * L, hierarchy=s.strategy)
+                                layer_evals=s.layer_evals - (P - 1) * L, hierarchy=s.strategy,
+                                verification=s.verification)
             if len(s.levels) > 1:
                 counters.drafted = s.drafted
                 counters.accepted_at_target, counters.proposed_to_target = s.accepted_at_target, s.proposed_to_target
@@ -435,11 +472,12 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     for s in config.strategies:
         if s in HF_STRATEGIES:
             continue
-        levels = _auto_chain(model, cal, **kw) if s == "auto" else build_levels(model, parse_hierarchy(s, model),
-                                                                                 **kw)
+        name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
+        levels = _auto_chain(model, cal, **kw) if name == "auto" else build_levels(
+            model, parse_hierarchy(name, model), **kw)
         names = [lv.name for lv in levels]
         t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
-        if s == "auto":  # rows may also decode plainly: the better of the two
+        if name == "auto":  # rows may also decode plainly: the better of the two
             t = min(t, plain)
         else:
             fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(
@@ -522,6 +560,10 @@ class StrategySummary:
     observed_acceptance: dict | None = None
     plain_share: float | None = None  # auto: share of row rounds decoded plainly
     hierarchy: str | None = None
+    verification: str | None = None  # hispec: the sampling acceptance rule it ran with
+    # `s:hsd` next to `s`: median per-prompt tokens/s ratio and tokens-per-full-pass ratio, HSD over token-wise
+    speedup_vs_token: float | None = None
+    tokens_per_target_pass_vs_token: float | None = None
 
 
 @dataclass
@@ -666,6 +708,7 @@ def summarize(result: BenchResult) -> Summary:
             speedup_vs_ar=ratios(s, "ar", every),
             plain_share=_mean_opt([c.plain_share for c in cs]),
             hierarchy=next((c.hierarchy for c in cs if c.hierarchy), None),
+            verification=next((c.verification for c in cs if c.verification), None),
         )
         pred = result.predictions.get(s)
         measured = summaries[s].speedup_vs_ar
@@ -679,6 +722,16 @@ def summarize(result: BenchResult) -> Summary:
             pred = fn(observed)
             summaries[s].predicted_speedup_observed = pred
             summaries[s].prediction_error_observed = None if not measured else pred / measured - 1
+    for s in strategies:  # HSD next to the same strategy token-wise
+        name, _ = split_verification(s)
+        if summaries[s].verification != "hsd":
+            continue
+        twin = next((t for t in (f"{name}:token", name) if t in summaries and summaries[t].verification == "token"),
+                    None)
+        if twin is not None:
+            summaries[s].speedup_vs_token = ratios(s, twin, every)
+            summaries[s].tokens_per_target_pass_vs_token = _ratio(summaries[s].tokens_per_target_pass,
+                                                                  summaries[twin].tokens_per_target_pass)
     cats: dict[str, list[int]] = {}
     for i, rec in enumerate(result.records):
         cats.setdefault(rec.category, []).append(i)
@@ -737,6 +790,14 @@ def format_table(summary: Summary) -> str:
                          f"{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>9}{_f(s.prediction_error, '{:+.0%}'):>8}"
                          f"{_f(s.predicted_speedup_observed, '{:.2f}x'):>9}{_f(s.prediction_error_observed, '{:+.0%}'):>8}"
                          f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>8}  {obs}")
+    pairs = [s for s in summary.strategies.values() if s.speedup_vs_token is not None]
+    if pairs:
+        lines += ["", "sequence-level (hsd) vs token-wise verification of the same strategy",
+                  f"{'strategy':<17}{'tok/pass':>9}{'vs token':>9}{'tok/s':>8}{'vs token':>9}"]
+        for s in pairs:
+            lines.append(f"{s.strategy:<17}{_f(s.tokens_per_target_pass):>9}"
+                         f"{_f(s.tokens_per_target_pass_vs_token, '{:.3f}x'):>9}{_f(s.tokens_per_s, '{:.1f}'):>8}"
+                         f"{_f(s.speedup_vs_token, '{:.3f}x'):>9}")
     width = max(12, *(len(n) + 2 for n in names))
     lines += ["", "speedup vs hf (identical share) by category", f"{'category':<16}{'n':>3}  "
               + "".join(f"{n:>{width}}" for n in names)]

@@ -161,7 +161,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {
-            "strategy": self.strategy, "verification": self.verification, "new_tokens": self.new_tokens, "levels": [lv.as_dict() for lv in self.levels],
+            "strategy": self.strategy, "verification": self.verification, "new_tokens": self.new_tokens,
+            "levels": [lv.as_dict() for lv in self.levels],
             "seconds": self.seconds, "layer_evals": self.layer_evals, "drafted": self.drafted,
             "tokens_per_target_pass": self.tokens_per_target_pass, "target_passes": self.target_passes,
             "target_row_passes": self.target_row_passes,

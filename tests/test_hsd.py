@@ -12,6 +12,7 @@ A chi-square test with 1e5 draws then ties the sampler (`hsd_draw`'s backward sc
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -326,8 +327,6 @@ def _tiny_checkpoint_model(**kw):
 
 
 def test_checkpoint_records_and_reads_back_the_verification_default(tmp_path):
-    import json
-
     import hispec
     from hispec.model import HispecConfig
 
@@ -363,3 +362,21 @@ def test_unknown_verification_is_refused_before_any_work():
     with pytest.raises(ValueError, match="unknown verification 'foo'"):
         model.generate(torch.tensor([[5, 6, 7]]), strategy="hispec", do_sample=True)
     assert not calls
+
+
+def test_hispec_generate_cli_takes_the_verification(tmp_path, capsys):
+    from test_bench import char_tokenizer
+
+    from hispec.cli.generate import main
+
+    model = _tiny_checkpoint_model()
+    model.tokenizer = char_tokenizer()
+    model.save(tmp_path / "ckpt")
+    argv = ["--model", str(tmp_path / "ckpt"), "--prompt", "hello there", "--max-new-tokens", "6", "--strategy",
+            "hispec", "--do-sample", "--seed", "0", "--json"]
+    assert main(argv + ["--verification", "hsd"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["stats"]["verification"] == "hsd" and line["new_tokens"] == 6
+    with pytest.raises(SystemExit):
+        main(argv + ["--verification", "foo"])
+    assert "invalid choice: 'foo'" in capsys.readouterr().err
