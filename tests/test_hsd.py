@@ -380,3 +380,42 @@ def test_hispec_generate_cli_takes_the_verification(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(argv + ["--verification", "foo"])
     assert "invalid choice: 'foo'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- counters
+def test_counters_under_hsd_count_what_the_rule_buys():
+    """LevelStats count accepted / proposed per verification under either rule; HSD's extra acceptances show up
+    as more tokens per full pass (the exact gain of the rule is checked by enumeration above)."""
+    from test_decoding import _tiny_vocab_model
+
+    model = _tiny_vocab_model()
+    ids = torch.tensor([[1, 3, 2]] * 2000)
+    stats = {}
+    for rule in ("token", "hsd"):
+        out = model.generate(ids, max_new_tokens=12, strategy="self-spec", do_sample=True, gamma=4, verification=rule,
+                             generator=torch.Generator().manual_seed(0))
+        s = stats[rule] = out.stats
+        assert s.new_tokens == 12 * len(ids)
+        top = s.top
+        assert 0 < top.accepted < top.proposed and 0 < top.rejections <= top.row_passes
+        # every full pass after the prefill commits its accepted drafts plus one token of its own, up to the limit
+        assert s.new_tokens <= len(ids) + top.accepted + (top.row_passes - len(ids))
+        assert s.new_tokens >= top.accepted + (top.row_passes - len(ids))
+    gain = stats["hsd"].tokens_per_target_pass / stats["token"].tokens_per_target_pass
+    print(f"tokens per full pass: token {stats['token'].tokens_per_target_pass:.3f}, "
+          f"hsd {stats['hsd'].tokens_per_target_pass:.3f} ({gain - 1:+.1%})")
+    assert gain > 1.01
+
+
+def test_oracle_heads_accept_everything_under_hsd_sampling():
+    from test_decoding import _oracle, _wrap
+    from tiny import tiny_model
+
+    model = _wrap(_oracle(tiny_model("llama"), 2))
+    ids = torch.randint(3, 97, (4, 6), generator=torch.Generator().manual_seed(3))
+    for strategy in ("self-spec", "hispec"):
+        out = model.generate(ids, max_new_tokens=16, strategy=strategy, gamma=3, window=4, do_sample=True,
+                             verification="hsd", generator=torch.Generator().manual_seed(0))
+        for lv in out.stats.levels[1:]:
+            assert lv.accepted == lv.proposed and lv.rejections == 0, (strategy, lv)
+        assert out.stats.tokens_per_target_pass > 3
