@@ -94,7 +94,11 @@ def check_verification(verification) -> str:
     return verification
 
 
-_TINY, _HUGE = 1e-30, 1e30  # q(x) of a drafted token is > 0; the clamps only keep impossible drafts finite
+_TINY = 1e-30  # q(x) of a drafted token is > 0; the clamp only keeps impossible drafts finite
+
+
+def _ratio_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # (mps has no float64)
 
 
 def hsd_branches(cands: torch.Tensor, m: torch.Tensor, q_rows: torch.Tensor, p_rows: torch.Tensor):
@@ -106,26 +110,28 @@ def hsd_branches(cands: torch.Tensor, m: torch.Tensor, q_rows: torch.Tensor, p_r
     - `stop[b, t]`: probability that the backward scan, having come down to branch t, stops there (t < m[b]);
       branch 0 always stops (`stop[:, 0] == 1`);
     - `residual[b, t]`: the unnormalised positive part from which a scan stopping at branch t resamples position t.
-    Ratios are float64; the V-sized rows keep the dtype of `p_rows`. See `hsd_accept` for the derivation.
+    Prefix ratios are float64 logarithms (a zero p(x) is -inf, never NaN); the V-sized rows keep p_rows' dtype.
+    See `hsd_accept` for the rule and its derivation.
     """
     B, M = cands.shape
+    dt = _ratio_dtype(cands.device)
     real = torch.arange(M, device=cands.device) < m[:, None]
-    p_x = p_rows[:, :M].gather(-1, cands[..., None]).squeeze(-1).double()
-    q_x = q_rows.gather(-1, cands[..., None]).squeeze(-1).double()
-    ratio = torch.where(real, p_x / q_x.clamp(min=_TINY), torch.ones_like(p_x)).clamp(max=_HUGE)
-    R = torch.cat([torch.ones_like(p_x[:, :1]), ratio.cumprod(-1)], -1)  # [B, M+1]: R_t = P_t / Q_t, R_0 = 1
-    top = R.cummax(-1).values  # running max M_t = max_{j <= t} R_j >= 1
-    keep = R / top  # R_t / M_t in [0, 1]: the capped share of branch t's prefix
+    p_x = p_rows[:, :M].gather(-1, cands[..., None]).squeeze(-1).to(dt)
+    q_x = q_rows.gather(-1, cands[..., None]).squeeze(-1).to(dt)
+    log_r = torch.where(real, p_x.log() - q_x.clamp(min=_TINY).log(), torch.zeros_like(p_x))  # log p_t/q_t
+    log_R = torch.cat([torch.zeros_like(p_x[:, :1]), log_r.cumsum(-1)], -1)  # [B, M+1]: log R_t, R_0 = 1
+    log_top = log_R.cummax(-1).values  # log of the running max M_t = max_{j <= t} R_j >= 1 (finite)
+    keep = (log_R - log_top).exp()  # R_t / M_t in [0, 1]: the capped share of branch t's prefix
     accept_all = keep.gather(1, m[:, None]).squeeze(1)
     c = keep[:, :M]
     d = c[..., None].to(p_rows.dtype) * p_rows[:, :M] - q_rows  # [B, M, V]: capped target minus proposal
     residual = d.clamp(min=0)
-    excess = residual.sum(-1).double()
-    deficit = (-d).clamp(min=0).sum(-1).double()
+    excess = residual.sum(-1).to(dt)
+    deficit = (-d).clamp(min=0).sum(-1).to(dt)
     stop = torch.where(deficit > 0, excess / deficit.clamp(min=_TINY), torch.ones_like(excess)).clamp(max=1)
     # exactly 1 where the closed form says so (c_t = 1: excess == deficit; R_{t+1} a new maximum: nothing of branch
     # t's scan mass ever gets that far down), so rounding never lets the scan step back past such a branch
-    sure = (c >= 1) | (R[:, 1:] >= top[:, :M])
+    sure = (c >= 1) | (log_R[:, 1:] >= log_top[:, :M])
     return accept_all, torch.where(sure, torch.ones_like(stop), stop), residual
 
 
@@ -194,7 +200,7 @@ def hsd_draw(accept_all: torch.Tensor, stop: torch.Tensor, residual: torch.Tenso
     residual (the bonus row p_m after a full acceptance) -> (accepted `[B]`, next_token `[B]`)."""
     B, M = stop.shape
     rows = torch.arange(B, device=stop.device)
-    u = torch.rand(B, M + 1, device=stop.device, generator=generator, dtype=torch.float64)
+    u = torch.rand(B, M + 1, device=stop.device, generator=generator, dtype=stop.dtype)
     full = u[:, 0] < accept_all
     pos = torch.arange(M, device=stop.device)
     stops = (u[:, 1:] < stop) & (pos < m[:, None])

@@ -308,6 +308,17 @@ def test_corners_give_finite_probabilities_and_valid_tokens():
         assert p[torch.arange(6), a, nxt].gt(0).all()  # never a token the target rules out
     a, nxt = hsd_accept(cands[:, :0], torch.zeros(6, dtype=torch.long), q[:, :0], p[:, :1])
     assert (a == 0).all()
+    # impossible drafts (q(x) = 0, as if rounding had drawn them) over many positions stay finite
+    M = 60
+    q = torch.rand(2, M, V, generator=g).softmax(-1)
+    p = torch.rand(2, M + 1, V, generator=g).softmax(-1)
+    cands = torch.randint(V, (2, M), generator=g)
+    q.scatter_(-1, cands[..., None], 0.0)
+    p[1, 7, cands[1, 7]] = 0
+    accept_all, stop, residual = hsd_branches(cands, torch.tensor([M, M]), q, p)
+    assert torch.isfinite(accept_all).all() and torch.isfinite(stop).all() and torch.isfinite(residual).all()
+    a, _ = hsd_accept(cands, torch.tensor([M, M]), q, p, g)
+    assert a[0] == M and a[1] <= 7
 
 
 def test_unknown_verification_is_refused_naming_the_choices():
