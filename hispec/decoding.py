@@ -33,7 +33,9 @@ model picks the first new token.
 Lossless: greedy verification keeps the longest prefix equal to the level's argmax; sampling uses speculative
 sampling at every level, with level k-1's stored probability rows as proposal and level k's as target (an `ngram`
 proposal is a point mass: accepted with probability p(x), else resampled from p without x), so the tokens a level
-accepts are exact samples of that level, and committed tokens are exact samples of the model. How many tokens a
+accepts are exact samples of that level, and committed tokens are exact samples of the model. `verification="hsd"`
+replaces the per-token rule at every level by the sequence-level one (`hispec.sampling.hsd_accept`), which is
+exact for the same reason and accepts at least as many tokens; greedy decoding does not use either. How many tokens a
 level gathers, and which levels a row uses, depend only on tokens already drawn, which keeps the argument valid.
 """
 
@@ -46,7 +48,7 @@ import torch
 
 from .heads import ContextInputs
 from .ngram import NgramConfig, propose_batch
-from .sampling import greedy_accept, logits_to_probs, sample, speculative_accept
+from .sampling import check_verification, greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
 from .tree import check_tree, parse_tree, tree_round
 
 NAMED = {
@@ -93,6 +95,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     strategy: str = ""
+    verification: str = "token"  # the sampling acceptance rule ("token" | "hsd"; greedy decoding uses neither)
     plain_row_rounds: int = 0  # auto: rounds in which a row decoded plainly (all its speculation switched off)
     row_rounds: int = 0  # auto: rounds summed over rows
 
@@ -159,7 +162,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {
-            "strategy": self.strategy, "new_tokens": self.new_tokens, "levels": [lv.as_dict() for lv in self.levels],
+            "strategy": self.strategy, "verification": self.verification, "new_tokens": self.new_tokens,
+            "levels": [lv.as_dict() for lv in self.levels],
             "seconds": self.seconds, "layer_evals": self.layer_evals, "drafted": self.drafted,
             "tokens_per_target_pass": self.tokens_per_target_pass, "target_passes": self.target_passes,
             "target_row_passes": self.target_row_passes,
@@ -250,7 +254,7 @@ class _Run:
     """State and steps of one batched generation call."""
 
     def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer,
-                 ngram: NgramConfig, policy=None, tree=None):
+                 ngram: NgramConfig, policy=None, tree=None, verification: str = "token"):
         self.model, self.adapter, self.levels = model, model.adapter, levels
         self.tree = tree  # a hispec.tree.TreeSpec: level 0 drafts trees (hispec/tree.py), else chains
         self.K = len(levels) - 1
@@ -259,7 +263,8 @@ class _Run:
         self.eos = eos  # LongTensor of EOS ids (may be empty)
         self.stop_check, self.streamer = stop_check, streamer
         self.ngram, self.policy = ngram, policy
-        self.stats = GenerationStats(levels=[LevelStats(lv.name) for lv in levels])
+        self.verification = verification
+        self.stats = GenerationStats(levels=[LevelStats(lv.name) for lv in levels], verification=verification)
         dev = self.adapter.device
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
@@ -499,7 +504,8 @@ class _Run:
         if self.do_sample:
             probs = logits_to_probs(logits, **self.warp)
             q = self._read_rows(k - 1, self.ver[k], M) if M else probs[:, :0]
-            a, new = speculative_accept(cands, m, q, probs, self.generator)
+            accept = hsd_accept if self.verification == "hsd" else speculative_accept
+            a, new = accept(cands, m, q, probs, self.generator)
             if k < self.K:
                 self._store_rows(k, self.ver[k], probs)
         else:
@@ -854,6 +860,7 @@ def generate(
     tokenizer=None,
     policy=None,
     tree=None,
+    verification: str | None = None,
 ) -> GenerationOutput:
     """Generate with an `EarlyExitModel`. `input_ids` `[B, P]` may be left-padded (give `attention_mask`).
 
@@ -869,11 +876,18 @@ def generate(
     sampling draws the children without replacement), or `"dyn-D-K-B-N"`, a dynamic EAGLE-2-style tree (depth D,
     top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one draft exit under the full model
     (`self-spec`, `draft>full`, `L4>full`); `gamma` is then unused. Default None: chains.
+    `verification`: the acceptance rule when sampling, at every level of the hierarchy: `"token"` (speculative
+    sampling, token by token) or `"hsd"` (sequence-level, `hispec.sampling.hsd_accept`: the same output
+    distribution, at least as many accepted tokens); default: the checkpoint's `decoding.verification`, else
+    "token". Greedy decoding (`do_sample=False`) matches exact prefixes and is identical under both.
 
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
     `keep_rows(idx)` that sets the per-row gammas `run.gam` between rounds (see `_AutoPolicy`, which `auto` uses).
     """
     cfg = model.hispec_config
+    explicit_verification = verification
+    verification = check_verification(getattr(cfg, "verification", "token") if verification is None
+                                      else verification)
     gamma = cfg.gamma if gamma is None else gamma
     window = cfg.window if window is None else window
     for name, v in (("gamma", gamma), ("window", window)):
@@ -906,6 +920,9 @@ def generate(
                               ngram=ngram)
     if tree is not None:
         check_tree(tree, levels, max_new_tokens=max_new_tokens, policy=policy, do_sample=do_sample)
+        if do_sample and explicit_verification == "hsd":
+            raise ValueError("verification='hsd' verifies chains; a tree's children are verified by recursive "
+                             "rejection sampling (hispec.sampling.recursive_accept): drop tree= or verification=")
     dev = model.device
     input_ids = torch.as_tensor(input_ids, device=dev)
     if input_ids.dim() == 1:
@@ -958,6 +975,7 @@ def generate(
         ngram=ngram,
         policy=policy,
         tree=tree,
+        verification=verification,
     )
     run.stats.strategy = ("auto:" if policy_cal is not None else "") + ">".join(lv.name for lv in levels)
     if tree is not None:

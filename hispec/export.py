@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from .io import atomic_dir, read_json, write_json, write_text
 from .latency import calibrate, predictions, write_calibration
+from .sampling import VERIFICATIONS
 from .model import (
     HEADS_FILE,
     CheckpointError,
@@ -384,6 +385,8 @@ def render_model_card(run: TrainRun, model: EarlyExitModel, *, name: str, base_m
     base_name = base_model or base.get("name_or_path") or "the base model"
     rev = f" (revision `{base['revision']}`)" if base.get("revision") else ""
     head_desc = cfg.head_type + (f" (rank {cfg.head_rank})" if cfg.head_rank else "")
+    verification_note = ("; sampling verifies sequence-level (HSD, `verification=\"hsd\"`)"
+                         if cfg.verification == "hsd" else "")
     contents = (
         f"this folder holds only the exit heads and a config that references `{base_name}`{rev}; "
         "`hispec.load` fetches the base itself."
@@ -410,7 +413,7 @@ In this checkpoint {contents}
 | target | {base.get('num_hidden_layers', '?')} (all) | the model's own final norm + lm_head | full |
 
 Decoding defaults: gamma = {cfg.gamma} drafts per intermediate round, window = {cfg.window} tokens per full
-verification.
+verification{verification_note}.
 
 ## How the heads were trained
 
@@ -533,6 +536,7 @@ def export(
     vocab_data: list[str] | tuple = (),
     gamma: int | None = None,
     window: int | None = None,
+    verification: str | None = None,
     calibration_prompts: list | None = None,
     calibration_max_new_tokens: int = 64,
     calibration_dtype=None,
@@ -542,7 +546,8 @@ def export(
 
     `draft_vocab_size` / `verify_vocab_size` (0 = full) restrict a head's output vocabulary (hispec.vocab): the
     most frequent tokens of `vocab_data` files, by default of the run's self-distilled answers when it kept them,
-    else by token id order. `gamma` / `window` replace the decoding defaults recorded by the run.
+    else by token id order. `gamma` / `window` / `verification` ("token" | "hsd") replace the decoding defaults
+    recorded by the run.
 
     With `calibration_prompts` (texts, `hispec.prompts.Prompt`s or token id lists), the finished checkpoint is then
     loaded (in `calibration_dtype`, default as stored) and calibrated on this machine (`hispec.latency.calibrate`);
@@ -552,6 +557,8 @@ def export(
     for flag, v in (("gamma", gamma), ("window", window)):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ExportError(f"--{flag} must be an integer >= 1, got {v!r}")
+    if verification is not None and verification not in VERIFICATIONS:
+        raise ExportError(f"--verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
     out = Path(output_dir).absolute()
     train_dir = Path(train_dir).absolute()
     if out.exists() and not overwrite:
@@ -565,6 +572,8 @@ def export(
         model.hispec_config.gamma = gamma
     if window is not None:
         model.hispec_config.window = window
+    if verification is not None:
+        model.hispec_config.verification = verification
     if draft_vocab_size is not None or verify_vocab_size is not None:
         restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, vocab_data)
     source = model.hispec_config.base["name_or_path"]

@@ -24,6 +24,7 @@ from torch import nn
 from .heads import EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
 from .layers import DecoderAdapter
+from .sampling import VERIFICATIONS, check_verification
 
 FORMAT_VERSION = 2  # 2: exits as a list, decoding.ngram, calibration; version-1 configs still load
 HEADS_FILE = "hispec_heads.safetensors"
@@ -68,7 +69,8 @@ class HispecConfig:
     """What config.json's "hispec" key holds.
 
     Format 2 (written now): `"exits": [{"name": "draft", "layer": 4, "vocab_size": 8192}, {"name": "verify", ...}]`
-    (ordered by depth), `"decoding": {"gamma", "window", "ngram": {...}}` and an optional `"calibration"` (the
+    (ordered by depth), `"decoding": {"gamma", "window", "ngram": {...}, "verification"}` (verification: "token"
+    or "hsd", see hispec.sampling; absent = "token") and an optional `"calibration"` (the
     latency model's measurements on one machine, see hispec.latency). Format 1 (`"exits": {"draft": 4, "verify":
     8}`, vocab sizes at the top level) is still read.
     """
@@ -84,6 +86,7 @@ class HispecConfig:
     base: dict = field(default_factory=dict)
     version: int = FORMAT_VERSION
     ngram: dict = field(default_factory=dict)  # NgramConfig fields for the n-gram level (empty: its defaults)
+    verification: str = "token"  # sampling's acceptance rule at every level: "token" or "hsd" (hispec.sampling)
     calibration: dict | None = None  # hispec.latency.Calibration.to_dict(), or None
     # `context` heads: their settings (hispec.heads.CONTEXT_DEFAULTS keys) and, per exit, the layers they read
     context: dict | None = None
@@ -113,6 +116,8 @@ class HispecConfig:
         }
         if self.ngram:
             d["decoding"]["ngram"] = dict(self.ngram)
+        if self.verification != "token":
+            d["decoding"]["verification"] = self.verification
         if self.calibration:
             d["calibration"] = self.calibration
         return d
@@ -137,6 +142,10 @@ class HispecConfig:
                         f"checkpoint exits {sorted(layers)}: this hispec loads exactly the exits {list(EXITS)}"
                     )
             dec = d.get("decoding", {})
+            verification = dec.get("verification", "token")
+            if verification not in VERIFICATIONS:
+                raise CheckpointError(f"checkpoint decoding.verification {verification!r} is unknown: this hispec "
+                                      f"knows {', '.join(VERIFICATIONS)}")
             return cls(
                 draft_layer=layers["draft"],
                 verify_layer=layers["verify"],
@@ -149,6 +158,7 @@ class HispecConfig:
                 base=dict(d.get("base", {})),
                 version=version,
                 ngram=dict(dec.get("ngram") or {}),
+                verification=verification,
                 calibration=d.get("calibration"),
                 context=d["head"].get("context"),
                 context_layers={k: [int(x) for x in v] for k, v in d["head"]["context_layers"].items()}
@@ -373,6 +383,7 @@ class EarlyExitModel(nn.Module):
         verify_vocab_size: int | None = None,
         context: dict | None = None,
         context_mid: bool = False,
+        verification: str = "token",
     ) -> EarlyExitModel:
         """Wrap a loaded model (or anything `load_base_model` accepts) with untrained heads.
 
@@ -381,7 +392,9 @@ class EarlyExitModel(nn.Module):
 
         `draft_vocab_size` / `verify_vocab_size` restrict a head to that many tokens chosen by token id order
         (hispec.vocab; use `set_exit_vocab` with `hispec.vocab.vocab_for_model(..., files)` to count on data).
+        `verification` ("token" or "hsd") is the sampling acceptance rule `generate` uses by default.
         """
+        check_verification(verification)
         if isinstance(model_or_path, nn.Module):
             base = model_or_path
             dt = parse_dtype(dtype)
@@ -402,6 +415,7 @@ class EarlyExitModel(nn.Module):
             gamma=gamma,
             window=window,
             base=base_identity(base, revision),
+            verification=verification,
         )
         if head_type == "context":
             config.context = dict(context or {})

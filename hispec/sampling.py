@@ -123,3 +123,134 @@ def recursive_accept(p: torch.Tensor, q: torch.Tensor, cands: torch.Tensor, vali
         p = torch.where(rej[:, None], res, p)
         q = torch.where(rej[:, None], q2, q)
     return acc, p
+
+
+# ---------------------------------------------------------------------------------------------- sequence-level
+VERIFICATIONS = ("token", "hsd")
+
+
+def check_verification(verification) -> str:
+    """`verification` if it names a rule (`token`: `speculative_accept`, `hsd`: `hsd_accept`), else ValueError."""
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"unknown verification {verification!r}: choose one of {', '.join(VERIFICATIONS)} "
+                         "(token: per-token speculative sampling; hsd: sequence-level, Zhou et al. 2026)")
+    return verification
+
+
+_TINY = 1e-30  # q(x) of a drafted token is > 0; the clamp only keeps impossible drafts finite
+
+
+def _ratio_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # (mps has no float64)
+
+
+def hsd_branches(cands: torch.Tensor, m: torch.Tensor, q_rows: torch.Tensor, p_rows: torch.Tensor):
+    """The branch quantities of sequence-level verification (HSD), in closed form.
+
+    cands `[B, M]`, m `[B]`, q_rows `[B, M, V]`, p_rows `[B, M+1, V]` (as `speculative_accept`) ->
+    (accept_all `[B]`, stop `[B, M]`, residual `[B, M, V]`):
+    - `accept_all[b]`: probability that all m[b] candidates are accepted (the bonus token then comes from p_m);
+    - `stop[b, t]`: probability that the backward scan, having come down to branch t, stops there (t < m[b]);
+      branch 0 always stops (`stop[:, 0] == 1`);
+    - `residual[b, t]`: the unnormalised positive part from which a scan stopping at branch t resamples position t.
+    Prefix ratios are float64 logarithms (a zero p(x) is -inf, never NaN); the V-sized rows keep p_rows' dtype.
+    See `hsd_accept` for the rule and its derivation.
+    """
+    B, M = cands.shape
+    dt = _ratio_dtype(cands.device)
+    real = torch.arange(M, device=cands.device) < m[:, None]
+    p_x = p_rows[:, :M].gather(-1, cands[..., None]).squeeze(-1).to(dt)
+    q_x = q_rows.gather(-1, cands[..., None]).squeeze(-1).to(dt)
+    log_r = torch.where(real, p_x.log() - q_x.clamp(min=_TINY).log(), torch.zeros_like(p_x))  # log p_t/q_t
+    log_R = torch.cat([torch.zeros_like(p_x[:, :1]), log_r.cumsum(-1)], -1)  # [B, M+1]: log R_t, R_0 = 1
+    log_top = log_R.cummax(-1).values  # log of the running max M_t = max_{j <= t} R_j >= 1 (finite)
+    keep = (log_R - log_top).exp()  # R_t / M_t in [0, 1]: the capped share of branch t's prefix
+    accept_all = keep.gather(1, m[:, None]).squeeze(1)
+    c = keep[:, :M]
+    d = c[..., None].to(p_rows.dtype) * p_rows[:, :M] - q_rows  # [B, M, V]: capped target minus proposal
+    residual = d.clamp(min=0)
+    excess = residual.sum(-1).to(dt)
+    deficit = (-d).clamp(min=0).sum(-1).to(dt)
+    stop = torch.where(deficit > 0, excess / deficit.clamp(min=_TINY), torch.ones_like(excess)).clamp(max=1)
+    # exactly 1 where the closed form says so (c_t = 1: excess == deficit; R_{t+1} a new maximum: nothing of branch
+    # t's scan mass ever gets that far down), so rounding never lets the scan step back past such a branch
+    sure = (c >= 1) | (log_R[:, 1:] >= log_top[:, :M])
+    return accept_all, torch.where(sure, torch.ones_like(stop), stop), residual
+
+
+def hsd_length_probs(accept_all: torch.Tensor, stop: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The law of the accepted length under HSD's backward scan: `[B, M+1]`, entry a = P(accepted == a).
+
+    P(a = m) = accept_all; for t < m, P(a = t) = (1 - accept_all) * stop_t * prod_{t < j < m} (1 - stop_j).
+    """
+    B, M = stop.shape
+    real = torch.arange(M, device=stop.device) < m[:, None]
+    go_on = torch.where(real, 1 - stop, torch.ones_like(stop))  # padding never stops the scan
+    # prod over j > t of go_on_j: reversed cumulative product, shifted by one
+    after = torch.cat([go_on.flip(-1).cumprod(-1).flip(-1)[:, 1:], torch.ones_like(go_on[:, :1])], -1)
+    probs = torch.zeros(B, M + 1, dtype=stop.dtype, device=stop.device)
+    probs[:, :M] = torch.where(real, (1 - accept_all[:, None]) * stop * after, torch.zeros_like(stop))
+    probs.scatter_(1, m[:, None], accept_all[:, None].to(stop.dtype))
+    return probs
+
+
+def hsd_accept(cands: torch.Tensor, m: torch.Tensor, q_rows: torch.Tensor, p_rows: torch.Tensor,
+               generator: torch.Generator | None = None):
+    """Sequence-level lossless verification (Hierarchical Speculative Decoding, Zhou et al., arXiv 2601.05724).
+
+    Same contract as `speculative_accept`: candidates x_0..x_{m-1} drawn from the proposal rows q_t become exact
+    samples of the target rows p_t; cands `[B, M]`, m `[B]` (m[b] <= M real candidates per row), q_rows `[B, M, V]`,
+    p_rows `[B, M+1, V]` -> (accepted `[B]`, next_token `[B]`). Under greedy decoding neither rule runs (the
+    decoder matches prefixes), so the choice changes nothing there.
+
+    Rule. With P_t = prod_{s<t} p_s(x_s), Q_t = prod_{s<t} q_s(x_s), R_t = P_t / Q_t (R_0 = 1) and the running
+    maximum M_t = max_{j<=t} R_j, branch t (prefix x_{<t}, any token at t) carries the capped target mass
+    P~_t p_t with P~_t = P_t / M_t, against the proposal mass Q_t q_t. Let c_t = R_t / M_t (<= 1) and
+    d_t = c_t p_t - q_t, with excess E_t = sum(d_t^+) and deficit D_t = sum(d_t^-) (D_t - E_t = 1 - c_t).
+    1. Accept all m candidates with probability R_m / M_m (the bonus token then comes from p_m).
+    2. Otherwise scan the branches backwards, t = m-1, ..., 0; stop at the first t with probability E_t / D_t
+       (1 where R_{t+1} >= M_t, and branch 0 always stops since c_0 = 1), accept x_{<t} and resample position t
+       from norm(d_t^+).
+
+    Why it is exact. A verification emits an accepted prefix and one token, and the tokens after it follow p.
+    The output follows p iff, at every node s of the draft tree, the mass of emissions that pass through s
+    splits over the children v in proportion p(v | s):  alive(s v) + resampled(s, v) = alive(s) p(v | s),
+    where alive(s) = P(draft passes s and is accepted through s). This forces alive(s v) <= alive(s) p(v | s) and
+    alive(s) <= Q(s), hence alive(s) <= min_{j<=t} Q_j P(s) / P_j = P(s) / M_t; the rule reaches that bound,
+    alive(s) = P~_t: resampled(s, v) = (P~_t p_t(v) - Q_t q_t(v))^+ = Q_t d_t(v)^+ is what the bound leaves at v
+    (positive only where R_{t+1} > M_t), and by induction from the top (E[(1 - stop_t) (1 - R_{t+1}/M_{t+1})] over
+    x_t ~ q_t is 1 - c_t exactly when stop_t = E_t / D_t) the scan stops at branch t on exactly Q_t E_t of mass.
+    The same holds when m is decided by the drafting process from tokens already drawn (the hierarchy's windows).
+    It accepts at least as much as the token-wise rule (R_t / M_t >= prod_{s<t} min(1, r_s), r_s =
+    p_s(x_s)/q_s(x_s)); for one candidate the two coincide, and for a point-mass proposal (an n-gram level) both
+    accept x_{<t} with probability P_t, so there HSD changes only which random numbers are drawn.
+
+    Compared with the authors' reference code (algorithm_clean.py): the backward scan, the E_t / max(E_t, D_t)
+    stop probability and the "never step back past a branch whose cumulative ratio is a new maximum" rule are the
+    same, but it caps with min(P_t, Q_t) and accepts everything with min(1, R_m); both equal the running-max form
+    only while no earlier prefix ratio exceeds max(1, R_t), and otherwise the output is not p (exact enumeration
+    in tests/test_hsd.py shows errors of ~1e-2 in probability for two or more candidates).
+    """
+    if cands.shape[1] == 0:
+        return torch.zeros_like(m), sample(p_rows[:, 0], generator)
+    return hsd_draw(*hsd_branches(cands, m, q_rows, p_rows), m, p_rows, generator)
+
+
+def hsd_draw(accept_all: torch.Tensor, stop: torch.Tensor, residual: torch.Tensor, m: torch.Tensor,
+             p_rows: torch.Tensor, generator: torch.Generator | None = None):
+    """HSD's random part, given `hsd_branches`: accept everything with probability accept_all, else scan the
+    branches backwards from m-1 and stop at branch t with probability stop_t; resample the stopping branch from its
+    residual (the bonus row p_m after a full acceptance) -> (accepted `[B]`, next_token `[B]`)."""
+    B, M = stop.shape
+    rows = torch.arange(B, device=stop.device)
+    u = torch.rand(B, M + 1, device=stop.device, generator=generator, dtype=stop.dtype)
+    full = u[:, 0] < accept_all
+    pos = torch.arange(M, device=stop.device)
+    stops = (u[:, 1:] < stop) & (pos < m[:, None])
+    last = torch.where(stops, pos, torch.full_like(pos, -1)).max(-1).values  # the scan's first stop from the end
+    a = torch.where(full, m, last.clamp(min=0))
+    p_a = p_rows[rows, a]
+    dist = torch.where((a < m)[:, None], residual[rows, a.clamp(max=M - 1)], p_a)
+    total = dist.sum(-1, keepdim=True)
+    dist = torch.where(total > 0, dist / total.clamp(min=1e-30), p_a)  # an empty residual has no mass to draw
+    return a, sample(dist, generator)

@@ -156,6 +156,40 @@ def test_sampling_runs_but_does_not_claim_identity(checkpoint, prompts_file, cap
     assert summary["speedup_vs_self_spec"] is None  # self-spec was not run
 
 
+def test_verification_both_runs_token_wise_and_hsd_side_by_side(checkpoint, prompts_file, capsys):
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file, 8), "--strategies", "hf,ar,self-spec,hispec",
+                               "--temperature", "0.8", "--num-prompts", 2, "--verification", "both")
+    assert rc == 0, out.err
+    names = list(summary["strategies"])
+    assert names == ["hf", "ar", "self-spec", "self-spec:hsd", "hispec", "hispec:hsd"]
+    st = summary["strategies"]
+    assert st["hispec"]["verification"] == "token" and st["hispec:hsd"]["verification"] == "hsd"
+    assert st["ar"]["verification"] == "token" and st["hf"]["verification"] is None
+    for name in ("self-spec:hsd", "hispec:hsd"):
+        assert st[name]["speedup_vs_token"] > 0 and st[name]["tokens_per_target_pass_vs_token"] > 0
+    assert any(line.startswith("sequence-level (hsd)") for line in out.out.splitlines())
+    # a rule named per strategy; greedy runs are identical to hf under either
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file, 8), "--strategies",
+                               "hf,hispec:token,hispec:hsd,ngram-hispec:hsd", "--num-prompts", 2)
+    assert rc == 0, out.err
+    assert summary["lossless"] is True
+    assert summary["strategies"]["hispec:hsd"]["speedup_vs_token"] is not None
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--strategies", "hispec:foo"], "unknown verification 'foo'"),
+    (["--strategies", "hf:hsd"], "applies to hispec's speculative strategies"),
+    (["--verification", "foo"], "invalid choice"),
+    (["--sweep", "--verification", "hsd"], "drop --verification"),
+])
+def test_bad_verification_is_refused_before_any_work(checkpoint, prompts_file, capsys, argv, match):
+    try:
+        rc = main([str(a) for a in common(checkpoint, prompts_file)] + argv)
+    except SystemExit as e:  # argparse refuses choices / argument combinations with exit status 2
+        rc = e.code
+    assert rc == 2 and match in capsys.readouterr().err
+
+
 def test_bad_inputs_exit_2_before_any_work(checkpoint, prompts_file, capsys):
     rc, out, _ = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", "hf,medusa")
     assert rc == 2 and "medusa" in out.err

@@ -241,6 +241,8 @@ def test_commit_reads_only_new_tokens_so_long_outputs_stay_linear(strategy):
         (dict(strategy="self-spec", gammas=[0]), "gammas must be integers >= 1"),
         (dict(strategy="ngram", ngram=dict(max_ngram=0)), "max_ngram must be an integer >= 1"),
         (dict(strategy="ngram", ngram=dict(min_ngram=3, max_ngram=2)), "min_ngram"),
+        (dict(do_sample=True, verification="foo"), "unknown verification 'foo': choose one of token, hsd"),
+        (dict(verification="HSD"), "unknown verification"),
     ],
 )
 def test_bad_input_gets_a_clear_error_before_any_work(kwargs, match):
@@ -326,11 +328,12 @@ def _exact_joint(model, prompt, n, warp):
     return outcomes, torch.tensor(probs)
 
 
-def _draw(model, prompt, n, warp, strategy, draws, seed, gamma=2, window=2):
+def _draw(model, prompt, n, warp, strategy, draws, seed, gamma=2, window=2, verification="token"):
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt] * draws)
     out = model.generate(ids, max_new_tokens=n, strategy=strategy, do_sample=True, gamma=gamma, window=window,
-                         generator=g, **warp)
+                         generator=g, verification=verification, **warp)
+    assert out.stats.verification == verification
     return [tuple(t) for t in out.new_tokens]
 
 
@@ -350,19 +353,26 @@ def _chi2_pvalue(samples, outcomes, probs):
 
 
 WARPS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)]
+# sequence-level verification (hispec.sampling.hsd_accept) at every level: one exit, two exits, an n-gram (point-mass
+# proposals) under two exits
+HSD_STRATEGIES = ("self-spec", "hispec", "ngram-hispec")
+SAMPLING_CASES = [(s, "token") for s in SPECULATIVE] + [(s, "hsd") for s in HSD_STRATEGIES]
 
 
 @pytest.mark.parametrize("warp", WARPS, ids=["plain", "warped"])
-@pytest.mark.parametrize("strategy", SPECULATIVE)
-def test_sampling_matches_the_exact_distribution(strategy, warp):
+@pytest.mark.parametrize("strategy,verification", SAMPLING_CASES, ids=[f"{s}-{v}" for s, v in SAMPLING_CASES])
+def test_sampling_matches_the_exact_distribution(strategy, verification, warp):
     model = _tiny_vocab_model()
     prompt, n = [1, 3, 2], 3
     outcomes, probs = _exact_joint(model, prompt, n, warp)
-    samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
-    assert _chi2_pvalue(samples, outcomes, probs) > 1e-4
+    samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11, verification=verification)
+    pvalue = _chi2_pvalue(samples, outcomes, probs)
+    print(f"{strategy} {verification} {warp}: chi-square p = {pvalue:.3g}")
+    assert pvalue > 1e-4
     if "ngram" in strategy:  # the test has teeth: point-mass proposals were made, some accepted, some rejected
         out = model.generate(torch.tensor([prompt] * 500), max_new_tokens=n, strategy=strategy, do_sample=True,
-                             gamma=2, window=2, generator=torch.Generator().manual_seed(1), **warp)
+                             gamma=2, window=2, generator=torch.Generator().manual_seed(1),
+                             verification=verification, **warp)
         lv = out.stats.levels[1]
         assert out.stats.levels[0].proposed > 100 and 0 < lv.accepted < lv.proposed
 
@@ -380,3 +390,55 @@ def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch, stra
     monkeypatch.setattr(decoding, "speculative_accept", always_accept)
     samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
     assert _chi2_pvalue(samples, outcomes, probs) < 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["hispec", "ngram-hispec"])
+def test_the_distribution_test_rejects_a_wrong_rule_under_hsd(monkeypatch, strategy):
+    """The hsd runs above go through `hsd_accept`: replacing it by a rule without rejections is detected."""
+    model = _tiny_vocab_model()
+    prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+
+    def always_accept(cands, m, q_rows, p_rows, generator=None):
+        return m.clone(), sampling.sample(p_rows[torch.arange(len(m)), m], generator)
+
+    monkeypatch.setattr(decoding, "hsd_accept", always_accept)
+    monkeypatch.setattr(decoding, "speculative_accept", None)  # and nothing falls back to the token-wise rule
+    samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11, verification="hsd")
+    pvalue = _chi2_pvalue(samples, outcomes, probs)
+    print(f"{strategy} hsd, always-accept: chi-square p = {pvalue:.3g}")
+    assert pvalue < 1e-6
+
+
+def test_the_distribution_test_sees_the_reference_codes_capping(monkeypatch):
+    """A subtle wrong rule: HSD with the authors' code's min(P, Q) capping (tests/test_hsd.py) is detected too."""
+    from test_hsd import _variant
+
+    model = _tiny_vocab_model()
+    prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    monkeypatch.setattr(sampling, "hsd_branches", _variant("min"))
+    samples = _draw(model, prompt, n, warp, "self-spec", draws=6000, seed=11, verification="hsd")
+    pvalue = _chi2_pvalue(samples, outcomes, probs)
+    print(f"self-spec hsd, min(P, Q) capping: chi-square p = {pvalue:.3g}")
+    assert pvalue < 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_output_is_the_same_under_either_verification(family):
+    """Greedy decoding matches exact prefixes: `verification` changes nothing (also in the checkpoint default)."""
+    model = _wrap(tiny_model(family), head_type="linear")
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids, am = _ragged(3, 8, seed=2)
+    ref = _hf_greedy(model.base, ids, am, 14)
+    for strategy in SPECULATIVE:
+        outs = [model.generate(ids, am, max_new_tokens=14, strategy=strategy, gamma=3, window=3, verification=v)
+                for v in ("token", "hsd")]
+        assert torch.equal(outs[0].sequences, ref) and torch.equal(outs[1].sequences, ref), strategy
+        assert [lv.as_dict() | {"seconds": 0} for lv in outs[0].stats.levels] == [
+            lv.as_dict() | {"seconds": 0} for lv in outs[1].stats.levels]
+    model.hispec_config.verification = "hsd"
+    assert model.generate(ids, am, max_new_tokens=14, strategy="hispec").stats.verification == "hsd"
+    assert torch.equal(model.generate(ids, am, max_new_tokens=14, strategy="hispec").sequences, ref)

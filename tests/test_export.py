@@ -546,6 +546,17 @@ def test_reduced_head_vocabularies_are_counted_on_data_and_kept_by_the_checkpoin
     assert not bad.exists()
 
 
+def test_verification_default_is_written_into_the_checkpoint(train_dir, tmp_path):
+    out = tmp_path / "hsd"
+    assert main([str(train_dir), "--output-dir", str(out), "--verification", "hsd"]) == 0
+    assert json.loads((out / "config.json").read_text())["hispec"]["decoding"]["verification"] == "hsd"
+    assert hispec.load(out).hispec_config.verification == "hsd"
+    assert "sequence-level (HSD" in (out / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        main([str(train_dir), "--output-dir", str(tmp_path / "bad"), "--verification", "foo"])
+    assert not (tmp_path / "bad").exists()
+
+
 def test_a_recorded_base_path_with_tilde_is_expanded(trained, tmp_path, base_dir, monkeypatch):
     monkeypatch.setenv("HOME", str(base_dir.parent))
     run = tmp_path / "run"

@@ -5,7 +5,10 @@ Contract:
   interleaved per prompt with a rotating order, so machine drift hits all strategies alike. Strategies:
   `hf` (transformers `generate`, the reference), `hf-early-exit` (`generate(assistant_early_exit=L_d)`: the base
   model's own final norm + lm_head at L_d), `hf-prompt-lookup` (`prompt_lookup_num_tokens`), and hispec's `ar`,
-  `self-spec`, `hispec` (`hispec.decoding.generate`). It returns the raw samples (`BenchResult`).
+  `self-spec`, `hispec` (`hispec.decoding.generate`). It returns the raw samples (`BenchResult`). A hispec
+  strategy may carry the sampling acceptance rule as a suffix, `hispec:hsd` / `hispec:token` (`split_verification`),
+  so both rules run side by side on the same prompts; without one it uses `BenchConfig.verification` (None: the
+  checkpoint's default). Greedy runs are identical under both rules.
 - `summarize(result)` turns samples into figures per strategy and per prompt category (`Summary`): tokens/s (median
   over prompts; a prompt's figure is the median over repeats), speedup vs `hf` and vs `self-spec` (median of
   per-prompt ratios, each measured side by side), tokens per full-model pass, acceptance per stage, decoder-layer
@@ -35,7 +38,7 @@ from __future__ import annotations
 from .runner import (  # noqa: F401
     HF_STRATEGIES, STRATEGIES, REFERENCE, STAGES, SWEEPABLE, BenchConfig, Counters, Sample, PromptRecord,
     BenchResult, PassCounter, Runner, encode, check_fits, TIE_TOLERANCE, tie_tolerance, TieChecker, run_bench,
-    predict_speedups,
+    predict_speedups, split_verification, with_both_verifications, tree_of, VERIFICATION_SUFFIXES, TREE_PREFIX,
 )
 from .env import (  # noqa: F401
     hardware_info, model_info,

@@ -49,6 +49,14 @@ def format_table(summary: Summary) -> str:
                          f"{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>9}{_f(s.prediction_error, '{:+.0%}'):>8}"
                          f"{_f(s.predicted_speedup_observed, '{:.2f}x'):>9}{_f(s.prediction_error_observed, '{:+.0%}'):>8}"
                          f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>8}  {obs}")
+    pairs = [s for s in summary.strategies.values() if s.speedup_vs_token is not None]
+    if pairs:
+        lines += ["", "sequence-level (hsd) vs token-wise verification of the same strategy",
+                  f"{'strategy':<17}{'tok/pass':>9}{'vs token':>9}{'tok/s':>8}{'vs token':>9}"]
+        for s in pairs:
+            lines.append(f"{s.strategy:<17}{_f(s.tokens_per_target_pass):>9}"
+                         f"{_f(s.tokens_per_target_pass_vs_token, '{:.3f}x'):>9}{_f(s.tokens_per_s, '{:.1f}'):>8}"
+                         f"{_f(s.speedup_vs_token, '{:.3f}x'):>9}")
     width = max(12, *(len(n) + 2 for n in names))
     lines += ["", "speedup vs hf (identical share) by category", f"{'category':<16}{'n':>3}  "
               + "".join(f"{n:>{width}}" for n in names)]

@@ -25,6 +25,36 @@ STRATEGIES = HF_STRATEGIES + HISPEC_STRATEGIES
 REFERENCE = "hf"
 STAGES = ("prefill", "draft", "verify", "target", "other")
 SWEEPABLE = ("self-spec", "hispec")
+VERIFICATION_SUFFIXES = ("token", "hsd")  # hispec.sampling.VERIFICATIONS
+
+
+def split_verification(strategy: str) -> tuple[str, str | None]:
+    """`"hispec:hsd"` -> ("hispec", "hsd"); `"hispec"` -> ("hispec", None). Raises ValueError on a bad suffix."""
+    if strategy.startswith(TREE_PREFIX):
+        return strategy, None
+    name, sep, rule = strategy.partition(":")
+    if not sep:
+        return strategy, None
+    if rule not in VERIFICATION_SUFFIXES:
+        raise ValueError(f"strategy {strategy!r}: unknown verification {rule!r} after ':' (choose "
+                         f"{', '.join(VERIFICATION_SUFFIXES)})")
+    if name in HF_STRATEGIES or name == "ar":
+        raise ValueError(f"strategy {strategy!r}: a verification rule applies to hispec's speculative strategies, "
+                         f"not {name!r}")
+    return name, rule
+
+
+def with_both_verifications(strategies) -> tuple[str, ...]:
+    """Each speculative hispec strategy s (no suffix) followed by `s:hsd`, for a side-by-side comparison; the
+    plain name then runs token-wise (set `BenchConfig.verification="token"`)."""
+    out = []
+    for s in strategies:
+        out.append(s)
+        if s not in HF_STRATEGIES and s != "ar" and ":" not in s:
+            out.append(f"{s}:hsd")
+    return tuple(dict.fromkeys(out))
+
+
 TREE_PREFIX = "tree:"  # strategy "tree:4x2x1": self-spec drafting that static tree (hispec.tree)
 
 
@@ -54,10 +84,15 @@ class BenchConfig:
     tie_tolerance: float | None = None  # fp32 logit margin below which a divergence is a rounding tie (None: by dtype)
     tie_check: bool = True  # re-evaluate divergences in fp32 (costs one fp32 copy of the base when it is not fp32)
     ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: the checkpoint's / defaults)
+    verification: str | None = None  # sampling acceptance rule of unsuffixed hispec strategies (None: checkpoint's)
 
     def __post_init__(self):
         self.strategies = tuple(self.strategies)
-        unknown = [s for s in self.strategies if s not in STRATEGIES and ">" not in s and tree_of(s) is None]
+        if self.verification is not None and self.verification not in VERIFICATION_SUFFIXES:
+            raise ValueError(f"unknown verification {self.verification!r}: choose one of "
+                             f"{', '.join(VERIFICATION_SUFFIXES)}")
+        unknown = [s for s in self.strategies
+                   if split_verification(s)[0] not in STRATEGIES and ">" not in s and tree_of(s) is None]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
                              "such as ngram>L4>full")
@@ -97,6 +132,7 @@ class Counters:
     layer_evals: int = 0  # decoder-layer evaluations beyond one pass over the prompt
     seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     hierarchy: str | None = None  # hispec: the levels it ran (auto: the chain it chose), e.g. "auto:ngram>L4>full"
+    verification: str | None = None  # hispec: the sampling acceptance rule ("token" | "hsd")
     plain_share: float | None = None  # auto: share of row rounds decoded plainly
     levels: list | None = None  # hispec: per-level counters (hispec.decoding.LevelStats.as_dict())
 
@@ -243,9 +279,11 @@ class Runner:
         else:
             gen = torch.Generator(device=model.device).manual_seed(seed) if not cfg.greedy else None
             t0 = time.perf_counter()
-            tree = tree_of(strategy)
-            out = model.generate(ids, mask, max_new_tokens=n, strategy="self-spec" if tree else strategy,
+            name, rule = split_verification(strategy)
+            tree = tree_of(name)
+            out = model.generate(ids, mask, max_new_tokens=n, strategy="self-spec" if tree else name,
                                  tree=tree, do_sample=not cfg.greedy,
+                                 verification=None if tree else rule or cfg.verification,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
                                  gamma=gamma if gamma is not None else cfg.gamma,
                                  window=window if window is not None else cfg.window, ngram=cfg.ngram,
@@ -254,7 +292,8 @@ class Runner:
             s = out.stats
             tokens = list(out.new_tokens[0])
             counters = Counters(new_tokens=len(tokens), target_passes=s.target_row_passes,
-                                layer_evals=s.layer_evals - (P - 1) * L, hierarchy=s.strategy)
+                                layer_evals=s.layer_evals - (P - 1) * L, hierarchy=s.strategy,
+                                verification=s.verification)
             if len(s.levels) > 1:
                 counters.drafted = s.drafted
                 counters.accepted_at_target, counters.proposed_to_target = s.accepted_at_target, s.proposed_to_target
@@ -401,11 +440,12 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     for s in config.strategies:
         if s in HF_STRATEGIES or tree_of(s) is not None:  # the latency model has no trees
             continue
-        levels = _auto_chain(model, cal, **kw) if s == "auto" else build_levels(model, parse_hierarchy(s, model),
+        name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
+        levels = _auto_chain(model, cal, **kw) if name == "auto" else build_levels(model, parse_hierarchy(name, model),
                                                                                  **kw)
         names = [lv.name for lv in levels]
         t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
-        if s == "auto":  # rows may also decode plainly: the better of the two
+        if name == "auto":  # rows may also decode plainly: the better of the two
             t = min(t, plain)
         else:
             fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(

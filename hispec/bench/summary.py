@@ -7,7 +7,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from .env import model_info
-from .runner import REFERENCE, STAGES, BenchConfig, BenchResult, PromptRecord, _first_mismatch, tie_tolerance
+from .runner import (REFERENCE, STAGES, BenchConfig, BenchResult, PromptRecord, _first_mismatch, split_verification,
+                     tie_tolerance)
 
 
 # ---------------------------------------------------------------------------------------------------- summary
@@ -44,6 +45,10 @@ class StrategySummary:
     observed_acceptance: dict | None = None
     plain_share: float | None = None  # auto: share of row rounds decoded plainly
     hierarchy: str | None = None
+    verification: str | None = None  # hispec: the sampling acceptance rule it ran with
+    # `s:hsd` next to `s`: median per-prompt tokens/s ratio and tokens-per-full-pass ratio, HSD over token-wise
+    speedup_vs_token: float | None = None
+    tokens_per_target_pass_vs_token: float | None = None
 
 
 @dataclass
@@ -188,6 +193,7 @@ def summarize(result: BenchResult) -> Summary:
             speedup_vs_ar=ratios(s, "ar", every),
             plain_share=_mean_opt([c.plain_share for c in cs]),
             hierarchy=next((c.hierarchy for c in cs if c.hierarchy), None),
+            verification=next((c.verification for c in cs if c.verification), None),
         )
         pred = result.predictions.get(s)
         measured = summaries[s].speedup_vs_ar
@@ -201,6 +207,16 @@ def summarize(result: BenchResult) -> Summary:
             pred = fn(observed)
             summaries[s].predicted_speedup_observed = pred
             summaries[s].prediction_error_observed = None if not measured else pred / measured - 1
+    for s in strategies:  # HSD next to the same strategy token-wise
+        name, _ = split_verification(s)
+        if summaries[s].verification != "hsd":
+            continue
+        twin = next((t for t in (f"{name}:token", name) if t in summaries and summaries[t].verification == "token"),
+                    None)
+        if twin is not None:
+            summaries[s].speedup_vs_token = ratios(s, twin, every)
+            summaries[s].tokens_per_target_pass_vs_token = _ratio(summaries[s].tokens_per_target_pass,
+                                                                  summaries[twin].tokens_per_target_pass)
     cats: dict[str, list[int]] = {}
     for i, rec in enumerate(result.records):
         cats.setdefault(rec.category, []).append(i)

@@ -6,10 +6,15 @@
         --sweep --sweep-gammas 2,3,4,6 --sweep-windows 2,4,8 --write-defaults
     hispec-bench --model HuggingFaceTB/SmolLM2-135M-Instruct --head-type shared --prompts q.jsonl \\
         --sweep --sweep-draft-layers 2,4,6 --sweep-verify-layers 8,10 --sweep-gammas 3,4
+    hispec-bench --model ./smollm2-hispec --prompts spec_bench_question.jsonl --temperature 0.7 \\
+        --strategies ar,self-spec,hispec --verification both
 
 Every prompt (batch size 1, chat template applied) is decoded by every strategy, interleaved with a rotating order
 so machine drift hits all alike. Prints a fixed-width table to stdout and ends with one JSON line (the summary);
-progress goes to stderr. `hf` (transformers greedy `generate`) is the reference: a lossless strategy must
+progress goes to stderr. When sampling, `--verification both` runs every speculative hispec strategy twice, token-
+wise (its plain name) and sequence-level (`NAME:hsd`), side by side on the same prompts, and adds a table of
+HSD's gain; a single strategy can also be named with its rule (`--strategies hispec:token,hispec:hsd`). `hf`
+(transformers greedy `generate`) is the reference: a lossless strategy must
 reproduce its new tokens exactly. In bf16/fp16 two correct computations round differently and may part at a
 near-tie of the top two logits; every divergence is therefore re-evaluated in fp32 and its margin reported
 ("lossless_up_to_ties"). Exit status: 0; 1 when a greedy run left hf beyond a rounding tie; 2 on bad input.
@@ -84,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf-prompt-lookup: prompt_lookup_num_tokens (default 10)")
     r.add_argument("--assistant-tokens", type=int,
                    help="hf-early-exit: num_assistant_tokens (default: transformers' own, 20 with confidence stop)")
+    r.add_argument("--verification", choices=("token", "hsd", "both"), default=None,
+                   help="acceptance rule of hispec's strategies when sampling: token (per-token), hsd "
+                        "(sequence-level), or both (each speculative strategy twice, NAME and NAME:hsd, side by "
+                        "side); a strategy may also carry its own as NAME:token / NAME:hsd (default: the "
+                        "checkpoint's, else token; greedy runs are identical under both)")
     r.add_argument("--seed", type=int, default=0, help="seed for sampling runs (default 0)")
     r.add_argument("--tie-tolerance", type=float,
                    help="fp32 logit margin up to which a divergence from hf counts as a rounding tie "
@@ -152,6 +162,8 @@ def _check_args(args) -> str | None:
         return "--calibration-num-prompts must be >= 1"
     if args.sweep and args.temperature != 0:
         return "--sweep checks identical outputs and runs greedy only; drop --temperature"
+    if args.sweep and args.verification is not None:
+        return "--sweep runs greedy, where both verification rules give the same output; drop --verification"
     if args.plot and args.sweep:
         return "--plot is for the strategy comparison, not --sweep"
     if not args.sweep and any(v is not None for v in (args.sweep_draft_layers, args.sweep_verify_layers,
@@ -278,6 +290,7 @@ def main(argv=None) -> int:
             window=args.window, warmup=args.warmup, repeats=args.repeats, seed=args.seed, chat=not args.no_chat,
             prompt_lookup_tokens=args.prompt_lookup_tokens, assistant_tokens=args.assistant_tokens,
             tie_tolerance=args.tie_tolerance, tie_check=not args.no_tie_check, ngram=_ngram(args),
+            verification="token" if args.verification == "both" else args.verification,
         )
         prompts = load_prompts(args.prompts, num=args.num_prompts or None, categories=args.categories)
         print(f"[hispec-bench] loading {args.model}", file=sys.stderr, flush=True)
@@ -295,6 +308,8 @@ def main(argv=None) -> int:
             return _sweep(args, model, from_base, prompts, config, progress)
         if not args.strategies and not args.sweep and model.hispec_config.calibration:
             config.strategies = config.strategies + ("auto",)
+        if args.verification == "both":
+            config.strategies = bench.with_both_verifications(config.strategies)
         result = bench.run_bench(model, prompts, config, progress=progress)
     except (CheckpointError, ValueError, FileNotFoundError, OSError) as e:
         print(f"hispec-bench: error: {e}", file=sys.stderr)

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoding default: drafts per round (default: the run's; choose with hispec-bench --sweep)")
     p.add_argument("--window", type=int, default=None,
                    help="decoding default: tokens gathered before full verification (default: the run's)")
+    p.add_argument("--verification", choices=("token", "hsd"), default=None,
+                   help="decoding default: acceptance rule when sampling, token or hsd (sequence-level; "
+                        "hispec.sampling.hsd_accept) (default: the run's, i.e. token)")
     cal = p.add_argument_group("latency calibration (hispec.latency; stored in config.json, stated on the model card)")
     cal.add_argument("--calibrate", action="store_true",
                      help="after exporting, time the model on this machine and count how often its exits agree with "
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, base_model_id=args.base_model_id,
             license=args.license, name=args.push_to_hub, draft_vocab_size=args.draft_vocab_size,
             verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data, gamma=args.gamma,
-            window=args.window, calibration_prompts=prompts,
+            window=args.window, verification=args.verification, calibration_prompts=prompts,
             calibration_max_new_tokens=args.calibration_max_new_tokens,
             calibration_dtype=None if args.calibration_dtype == "auto" else args.calibration_dtype, progress=True,
         )

@@ -15,6 +15,7 @@ import sys
 import time
 
 from ..decoding import STRATEGIES
+from ..sampling import VERIFICATIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top-k", type=int, help="sample only from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    p.add_argument("--verification", choices=VERIFICATIONS, default=None,
+                   help="acceptance rule when sampling, at every level: token (per-token speculative sampling) or "
+                        "hsd (sequence-level, same output distribution, more tokens accepted); greedy decoding is "
+                        "identical under both (default: the checkpoint's, else token)")
     p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
@@ -129,7 +134,8 @@ def main(argv=None) -> int:
             out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                                  do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, gamma=args.gamma, window=args.window, ngram=ngram,
-                                 streamer=streamer, generator=generator, tree=args.tree)
+                                 streamer=streamer, generator=generator, tree=args.tree,
+                                 verification=args.verification)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -145,8 +151,9 @@ def main(argv=None) -> int:
         if not args.json:
             levels = ", ".join(f"{lv.name} {lv.accepted}/{lv.proposed}" for lv in s.levels[1:])
             plain = f"; plain rounds {s.plain_row_rounds}/{s.row_rounds}" if s.row_rounds else ""
+            rule = ", hsd" if args.do_sample and s.verification == "hsd" else ""
             print(
-                f"[{s.strategy}] {s.new_tokens} tokens in {secs:.2f} s ({s.new_tokens / max(secs, 1e-9):.1f} tok/s); "
+                f"[{s.strategy}{rule}] {s.new_tokens} tokens in {secs:.2f} s ({s.new_tokens / max(secs, 1e-9):.1f} tok/s); "
                 f"tokens/full pass {s.tokens_per_target_pass:.2f}; accepted/proposed {levels or '-'}{plain}; "
                 f"layer evals/token {s.layer_evals / max(s.new_tokens, 1):.1f}",
                 file=sys.stderr,
