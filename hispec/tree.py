@@ -334,10 +334,19 @@ def tree_round(run, spec):
         pr, pc = pvalid.nonzero(as_tuple=True)
         run.fin[pr, ppos[pr, pc]] = o[pr, pc]
         run.fin[r_, seq[r_] + c_] = o[r_, P + pidx[r_, c_]]
-    cache.compact(a0, a1, T0[0], pidx, keep)
-    cache.compact(a1, L, T0[1], pidx, keep)
+    _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
+    _count(st1, a, depth_cap, B, t1)
+
+
+def _keep_path(run, cache, head, ranges, T0, idx0, idx1, keep, newpos, has_new):
+    """After a tree verification: keep each row's accepted path in the cache (slots `idx0` of the draft range and a
+    `layer` head's layer, `idx1` of the verifier's range, valid where `keep`), cut every range at `newpos`, and set
+    the row counts as after a chain verification (`done[0] = done[1] = ver[1] - 1`)."""
+    a0, a1, L = ranges
+    cache.compact(a0, a1, T0[0], idx0, keep)
+    cache.compact(a1, L, T0[1], idx1, keep)
     if head is not None:
-        cache.compact(head.cache_index, head.cache_index + 1, T0["h"], pidx, keep)
+        cache.compact(head.cache_index, head.cache_index + 1, T0["h"], idx0, keep)
     for s, e in ((a0, a1), (a1, L)) + (((head.cache_index, head.cache_index + 1),) if head is not None else ()):
         cache.truncate(s, e, newpos)
     run.done[0] = newpos.clone()
@@ -345,6 +354,10 @@ def tree_round(run, spec):
     run.seq = newpos + has_new.long()
     run.ver[1] = run.seq.clone()
     run.base = run.seq.clone()
+
+
+def _count(st1, a, depth_cap, B, t1) -> None:
+    """The full level's counters for one tree round: accepted path lengths out of each row's usable depth."""
     st1.accepted += int(a.sum())
     st1.proposed += int(depth_cap.sum())
     st1.rejections += int((a < depth_cap).sum())
@@ -598,20 +611,5 @@ def dynamic_round(run, spec: DynamicTreeSpec):
         pr, pc = pvalid.nonzero(as_tuple=True)
         run.fin[pr, ppos[pr, pc]] = o[pr, pc]
         run.fin[r_, seq[r_] + c_] = o[r_, P + idx1[r_, c_]]
-    cache.compact(a0, a1, T0[0], idx0, keep)
-    cache.compact(a1, L, T0[1], idx1, keep)
-    if head is not None:
-        cache.compact(head.cache_index, head.cache_index + 1, T0["h"], idx0, keep)
-    for s, e in ((a0, a1), (a1, L)) + (((head.cache_index, head.cache_index + 1),) if head is not None else ()):
-        cache.truncate(s, e, newpos)
-    run.done[0] = newpos.clone()
-    run.done[1] = newpos.clone()
-    run.seq = newpos + has_new.long()
-    run.ver[1] = run.seq.clone()
-    run.base = run.seq.clone()
-    st1.accepted += int(a.sum())
-    st1.proposed += int(depth_cap.sum())
-    st1.rejections += int((a < depth_cap).sum())
-    st1.passes += 1
-    st1.row_passes += B
-    st1.seconds += time.perf_counter() - t1
+    _keep_path(run, cache, head, (a0, a1, L), T0, idx0, idx1, keep, newpos, has_new)
+    _count(st1, a, depth_cap, B, t1)
