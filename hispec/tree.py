@@ -309,24 +309,8 @@ def tree_round(run, spec):
         for d in range(D):
             cur = torch.where(path[:, d] >= 0, path[:, d], cur)
         bonus = pred[rows, 1 + cur]
-    a = (path >= 0).long().sum(1)  # paths are contiguous from depth 1
-    ended = torch.zeros(B, dtype=torch.bool, device=dev)
-    if eos.numel():  # an accepted EOS ends the row: nothing after it (greedy paths may run past it)
-        is_eos = torch.isin(ntok.gather(1, path.clamp(min=0)), eos) & (path >= 0)
-        first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, a)
-        ended = is_eos.any(1)
-        a = torch.minimum(a, first)
-    keep = torch.arange(D, device=dev)[None] < a[:, None]
-
     # ---------------------------------------------------------------- commit the path, roll back the rest
-    newpos = seq + a
-    has_new = ~ended & (newpos < run.limit)
-    W = run.tok.shape[1]
-    ppos_path = (seq[:, None] + torch.arange(D, device=dev)).clamp(max=W - 1)
-    ptok = ntok.gather(1, path.clamp(min=0))
-    run.tok.scatter_(1, ppos_path, torch.where(keep, ptok, run.tok.gather(1, ppos_path)))
-    npos_c = newpos.clamp(max=W - 1)
-    run.tok.scatter_(1, npos_c[:, None], torch.where(has_new, bonus, run.tok.gather(1, npos_c[:, None])[:, 0])[:, None])
+    a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
     r_, c_ = keep.nonzero(as_tuple=True)
     run.hid[1][r_, seq[r_] + c_] = h_exit[r_, pidx[r_, c_]]
@@ -336,6 +320,29 @@ def tree_round(run, spec):
         run.fin[r_, seq[r_] + c_] = o[r_, P + pidx[r_, c_]]
     _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
     _count(st1, a, depth_cap, B, t1)
+
+
+def _write_path(run, path, ntok, bonus, seq, D):
+    """Write each row's accepted path (node ids `path` `[B, D]`, -1 past its end; node tokens `ntok`) and then the
+    full model's token `bonus` into `run.tok` from position `seq`; an accepted EOS ends the path and the row (nothing
+    after it). -> (accepted length `[B]`, keep `[B, D]`, new committed length `[B]`, has_new `[B]`)."""
+    dev = path.device
+    a = (path >= 0).long().sum(1)  # paths are contiguous from depth 1
+    ended = torch.zeros_like(a, dtype=torch.bool)
+    if run.eos.numel():
+        is_eos = torch.isin(ntok.gather(1, path.clamp(min=0)), run.eos) & (path >= 0)
+        ended = is_eos.any(1)
+        a = torch.minimum(a, torch.where(ended, is_eos.float().argmax(1) + 1, a))
+    keep = torch.arange(D, device=dev)[None] < a[:, None]
+    newpos = seq + a
+    has_new = ~ended & (newpos < run.limit)
+    W = run.tok.shape[1]
+    ppos_path = (seq[:, None] + torch.arange(D, device=dev)).clamp(max=W - 1)
+    ptok = ntok.gather(1, path.clamp(min=0))
+    run.tok.scatter_(1, ppos_path, torch.where(keep, ptok, run.tok.gather(1, ppos_path)))
+    npos_c = newpos.clamp(max=W - 1)
+    run.tok.scatter_(1, npos_c[:, None], torch.where(has_new, bonus, run.tok.gather(1, npos_c[:, None])[:, 0])[:, None])
+    return a, keep, newpos, has_new
 
 
 def _keep_path(run, cache, head, ranges, T0, idx0, idx1, keep, newpos, has_new):
@@ -585,23 +592,7 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     for d in range(D):
         cur = torch.where(path[:, d] >= 0, path[:, d], cur)
     bonus = pred[rows, torch.where(cur >= 0, 1 + selpos.gather(1, cur.clamp(min=0)[:, None])[:, 0], 0)]
-    a = (path >= 0).long().sum(1)
-    ended = torch.zeros(B, dtype=torch.bool, device=dev)
-    eos = run.eos
-    if eos.numel():
-        is_eos = torch.isin(ntok.gather(1, path.clamp(min=0)), eos) & (path >= 0)
-        ended = is_eos.any(1)
-        a = torch.minimum(a, torch.where(ended, is_eos.float().argmax(1) + 1, a))
-    keep = torch.arange(D, device=dev)[None] < a[:, None]
-
-    newpos = seq + a
-    has_new = ~ended & (newpos < run.limit)
-    W = run.tok.shape[1]
-    ppos_path = (seq[:, None] + torch.arange(D, device=dev)).clamp(max=W - 1)
-    ptok = ntok.gather(1, path.clamp(min=0))
-    run.tok.scatter_(1, ppos_path, torch.where(keep, ptok, run.tok.gather(1, ppos_path)))
-    npos_c = newpos.clamp(max=W - 1)
-    run.tok.scatter_(1, npos_c[:, None], torch.where(has_new, bonus, run.tok.gather(1, npos_c[:, None])[:, 0])[:, None])
+    a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
     idx0 = slot0.gather(1, pidx).clamp(min=0)
     idx1 = selpos.gather(1, pidx).clamp(min=0)
