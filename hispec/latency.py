@@ -56,7 +56,24 @@ ignores it); (5) acceptance rates are measured top-1 agreements along the full m
 (teacher-forced), one per pair of levels: greedy decoding only. An n-gram level's acceptance is bursty (copied
 spans are accepted whole, the rest hardly at all); its i.i.d. rate is fitted on the rounds the decoder would run
 (with proposals of up to `NgramConfig.max_len`), which keeps E(a, g) per matched round close to the real mean.
-Costs of sampling (probability rows, rejection sampling) are not modelled.
+Costs of sampling (probability rows, rejection sampling) are not modelled. Under sampling the decoder's own
+policy (`strategy="auto"`) feeds the model the acceptance it observes per row, so a sequence-level rule (HSD), which
+accepts more per verification, enters as a higher observed rate; the calibration itself is greedy.
+
+Static tree drafts (`hispec.tree`, widths k_1..k_D per depth, n_d = k_1...k_d nodes at depth d, N = sum n_d) under
+the full model, drafted by exit level b (depth e): a round drafts depth 1 from the pending position, depth d+1 from
+the n_d nodes of depth d, runs the draft layers over the leaves and then the rest of the model over the pending
+position and all N nodes at once:
+
+    R(tree) = e layer(1) + head_b(1) + o  +  sum_{d<D} (e layer(n_d) + head_b(n_d) + o)
+              + e layer(n_D) + (L - e) layer(N + 1) + final(N + 1) + o
+    E(tree) = 1 + sum_{d=1..D} prod_{j<=d} r_b(k_j),         T_tree = R(tree) / E(tree)
+
+with r_b(k) the share of answer positions where the model's argmax is among level b's top-k (`topk`, measured
+like the top-1 agreement; r_b(1) = a(b>full)). A tree of widths [1]*g is the chain of gamma g: R and E reduce to
+the chain's terms exactly. The i.i.d. assumption carries over (a node's children are judged by the same rate
+whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass, and dynamic
+trees are not modelled.
 """
 
 from __future__ import annotations
@@ -204,6 +221,7 @@ class Calibration:
     context: int = 0  # KV slots behind the timed passes
     positions: int = 0  # answer positions the acceptances were counted on
     ngram: dict | None = None  # the NgramConfig the n-gram figures were measured with
+    topk: dict | None = None  # {"L4>full": [r(1), ..., r(K)]}: share of positions with the model's argmax in L4's top-k
     version: int = CALIBRATION_VERSION
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -260,7 +278,7 @@ class Calibration:
             "version": self.version, "machine": dict(self.machine), "dtype": self.dtype, "threads": self.threads,
             "model": self.model, "costs": self.costs, "acceptance": dict(self.acceptance),
             "ngram_match": self.ngram_match, "measured": self.measured, "context": self.context,
-            "positions": self.positions, "ngram": self.ngram,
+            "positions": self.positions, "ngram": self.ngram, "topk": self.topk,
         })
 
     @classmethod
@@ -281,6 +299,8 @@ class Calibration:
                        costs=costs, acceptance={k: float(v) for k, v in d["acceptance"].items()},
                        ngram_match=float(d.get("ngram_match", 0.0)), measured=d.get("measured"),
                        context=int(d.get("context", 0)), positions=int(d.get("positions", 0)), ngram=d.get("ngram"),
+                       topk=None if d.get("topk") is None else {k: [float(x) for x in v]
+                                                                for k, v in d["topk"].items()},
                        version=version)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CalibrationError):
@@ -493,6 +513,89 @@ def best_gammas(levels, cal: Calibration, acceptance: dict | None = None, max_ga
     return best
 
 
+# ---------------------------------------------------------------------------------------------- tree drafts
+MAX_TREE_WIDTH = 8  # top-k rates measured by `calibrate` (k = 1..MAX_TREE_WIDTH)
+TREE_ROWS = (16, 24, 32)  # pass sizes timed beyond the chains' for tree verifications (interpolated between)
+
+
+def _topk_rates(cal: Calibration, level: str, topk: dict | None) -> list[float]:
+    key = pair_key(level, FULL)
+    rates = (topk or {}).get(key) or (cal.topk or {}).get(key)
+    if not rates:
+        raise CalibrationError(f"no top-k agreement for {key} in the calibration (made before tree drafts were "
+                               f"modelled); recalibrate (hispec-export ... --calibrate)")
+    return [float(r) for r in rates]
+
+
+def tree_expected_tokens(widths, rates) -> float:
+    """Expected tokens of one static tree round (greedy, i.i.d.): `1 + sum_d prod_{j<=d} r(k_j)`, with `rates[k-1]`
+    = r(k) the chance that the model's argmax is among the draft's top-k (widths beyond the measured k use the
+    largest measured k: a lower bound)."""
+    if not rates:
+        raise ValueError("rates must hold r(1) at least")
+    e, p = 1.0, 1.0
+    for k in widths:
+        p *= min(max(float(rates[min(int(k), len(rates)) - 1]), 0.0), 1.0)
+        e += p
+    return e
+
+
+def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
+    """R(tree): the predicted seconds of one static tree round drafted by `level` (see the module docstring)."""
+    e, L, o = cal.depth(level), cal.num_layers, cal.step_overhead
+    counts, n = [], 1
+    for k in widths:
+        n *= int(k)
+        counts.append(n)
+    t = e * cal.layer_cost(1) + cal.head_cost(level, 1) + o
+    for nd in counts[:-1]:
+        t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
+    N = sum(counts)
+    return t + e * cal.layer_cost(counts[-1]) + (L - e) * cal.layer_cost(N + 1) + cal.head_cost(FULL, N + 1) + o
+
+
+def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None) -> float:
+    """Predicted seconds per token of static tree drafts with `widths` (e.g. [4, 2, 1]) by exit `level` (default:
+    the draft exit) under the full model; `topk` overrides the calibration's top-k rates ({"L4>full": [...]})."""
+    widths = list(widths)
+    if not widths or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in widths):
+        raise ValueError(f"tree widths must be a non-empty list of integers >= 1, got {widths}")
+    level = level or level_name(cal.model["exits"]["draft"])
+    if level in (NGRAM, FULL):
+        raise ValueError(f"tree drafts come from an exit level, got {level!r}")
+    return tree_round_seconds(widths, cal, level) / tree_expected_tokens(widths, _topk_rates(cal, level, topk))
+
+
+def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, max_nodes: int = 64,
+              topk: dict | None = None) -> tuple[list[int], float]:
+    """The static tree (widths non-increasing with depth, each <= MAX_TREE_WIDTH, at most `max_nodes` nodes) with
+    the lowest predicted seconds per token, and that time. Exhaustive over the (few hundred) shapes; memoised."""
+    level = level or level_name(cal.model["exits"]["draft"])
+    rates = _topk_rates(cal, level, topk)
+    key = ("best_tree", level, tuple(round(r, 3) for r in rates), max_depth, max_nodes)
+    memo = cal._memo.setdefault("best_tree", {})
+    if key in memo:
+        return list(memo[key][0]), memo[key][1]
+    best = (None, math.inf)
+
+    def grow(widths, nodes, last):
+        nonlocal best
+        if widths:
+            t = tree_round_seconds(widths, cal, level) / tree_expected_tokens(widths, rates)
+            if t < best[1]:
+                best = (list(widths), t)
+        if len(widths) == max_depth:
+            return
+        n_last = math.prod(widths) if widths else 1
+        for k in range(1, min(last, len(rates)) + 1):
+            if nodes + n_last * k <= max_nodes:
+                grow(widths + [k], nodes + n_last * k, k)
+
+    grow([], 0, MAX_TREE_WIDTH)
+    memo[key] = (tuple(best[0]), best[1])
+    return best
+
+
 def named_hierarchies(cal: Calibration) -> dict[str, list[str]]:
     """The hierarchies the tools report, by the decoder's strategy names (where the calibration has the levels)."""
     exits = cal.model.get("exits", {})
@@ -524,6 +627,10 @@ def predictions(cal: Calibration, max_gamma: int = DEFAULT_MAX_GAMMA, fixed: dic
         rows.append(row(name, levels, gm, t))
     for name, (levels, gammas) in (fixed or {}).items():
         rows.append(row(name, levels, gammas, time_per_token(levels, gammas, cal)))
+    d = cal.model.get("exits", {}).get("draft")
+    if d is not None and cal.topk and pair_key(level_name(d), FULL) in cal.topk:  # static trees (hispec.tree)
+        widths, t = best_tree(cal)
+        rows.append({**row("tree " + "x".join(map(str, widths)), [level_name(d), FULL], [], t), "tree": widths})
     b = best_hierarchy(cal, max_gamma=max_gamma)
     rows.append(row("best", b.levels, b.gammas, b.seconds_per_token))
     return rows
@@ -761,7 +868,8 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
        counts once, as in decoding, not once per position): per-token acceptance by `acceptance_from_counts`,
        `ngram_match` = the share of rounds (under "full") whose lookup proposes, the median lookup time;
     3. unit costs (`measure_costs`) behind a KV cache of the typical context (median prompt + half an answer),
-       for T = 1..max(max_gamma, ngram.max_len) + 1;
+       for T = 1..max(max_gamma, ngram.max_len) + 1 and the tree passes' TREE_ROWS; per exit, the share of answer
+       positions where the model's argmax is among the exit's top-k (k = 1..MAX_TREE_WIDTH; tree drafts);
     4. `step_overhead` = median decode step - (L layer(1) + final(1)), clamped at 0."""
     from tqdm.auto import tqdm
 
@@ -791,6 +899,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     ng = {lv: [0, 0, 0, 0, 0] for lv in levels}  # accepted, proposed, rejections, rounds, rounds with a proposal
     positions = 0
     lookups = []
+    topk_hits: dict[str, list[int]] = {}
     bounds = sorted({0, L, *exits.values()})
     draw = torch.Generator().manual_seed(0)  # frontier distances of context heads (reproducible)
     for ids, ans in tqdm(list(zip(ids_list, answers)), desc="calibration: acceptance", disable=not progress,
@@ -801,7 +910,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
         seq = torch.tensor([ids + ans], device=dev)
         pos = torch.arange(P + N, device=dev)[None]
         cache = ad.new_cache(1)
-        arg, states = {}, {}
+        arg, states, top = {}, {}, {}
         with torch.no_grad():
             h = ad.embed(seq, pos)
             for a, b in zip(bounds[:-1], bounds[1:]):
@@ -810,15 +919,24 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
             arg[FULL] = ad.final_logits(h[:, P: P + N - 1])[0].argmax(-1).tolist()
             for name, layer in exits.items():
                 head = model.heads[name]
+                lv = level_name(layer)
                 if head.needs_context:  # its agreement under the frontier distances decoding gives it
                     for below, ctx in _calibration_contexts(model, name, states, P + N, draw).items():
-                        feats = head(states[layer], context=ctx)[:, P: P + N - 1]
-                        arg[(level_name(layer), below)] = model.project_exit(name, feats)[0].argmax(-1).tolist()
-                    arg[level_name(layer)] = arg[(level_name(layer), FULL)]
+                        logits = model.project_exit(name, head(states[layer], context=ctx)[:, P: P + N - 1])[0]
+                        arg[(lv, below)] = logits.argmax(-1).tolist()
+                        if below == FULL:
+                            top[lv] = logits.topk(min(MAX_TREE_WIDTH, logits.shape[-1]), dim=-1).indices
+                    arg[lv] = arg[(lv, FULL)]
                     continue
                 run_layer = head.run_layer_fresh(ad) if head.stateful else None
                 feats = head(states[layer], run_layer)[:, P: P + N - 1]  # positions predicting answer tokens 1..N-1
-                arg[level_name(layer)] = model.project_exit(name, feats)[0].argmax(-1).tolist()
+                logits = model.project_exit(name, feats)[0]
+                arg[lv] = logits.argmax(-1).tolist()
+                top[lv] = logits.topk(min(MAX_TREE_WIDTH, logits.shape[-1]), dim=-1).indices
+        full_arg = torch.tensor(arg[FULL], device=dev)[:, None]
+        for lv, idx in top.items():  # the model's argmax among the exit's top-k, k = 1..MAX_TREE_WIDTH
+            hit = (idx == full_arg).cumsum(-1).clamp(max=1).sum(0).tolist()
+            topk_hits[lv] = [a + b for a, b in zip(topk_hits.setdefault(lv, [0] * len(hit)), hit)]
         for key, c in agree.items():
             lo, hi = key.split(">")
             c[0] += sum(x == y for x, y in zip(arg.get((lo, hi), arg[lo]), arg[hi]))
@@ -836,11 +954,13 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
 
     # 3. unit costs, behind the typical context
     context = int(statistics.median(len(ids) + len(ans) // 2 for ids, ans in zip(ids_list, answers)))
+    chain = max(max_gamma, ngram.max_len) + 1
+    rows = tuple(range(1, chain + 1)) + tuple(T for T in TREE_ROWS if T > chain)  # chains; passes over trees
     if max_pos:
-        context = max(1, min(context, max_pos - 2 * (max_gamma + ngram.max_len) - 2))
-    rows = tuple(range(1, max(max_gamma, ngram.max_len) + 2))
+        context = max(1, min(context, max_pos - 2 * max(rows) - 2))
     if progress:
-        print(f"calibration: timing layers and heads ({context} KV slots, T = 1..{rows[-1]})", file=sys.stderr)
+        print(f"calibration: timing layers and heads ({context} KV slots, T = 1..{chain}, "
+              f"{', '.join(map(str, rows[chain:]))})", file=sys.stderr)
     costs = measure_costs(model, rows, context, repeats)
     costs["ngram"] = statistics.median(lookups)
 
@@ -852,7 +972,8 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype), threads=torch.get_num_threads(),
                        model=model_identity(model), costs=costs, acceptance=acceptance,
                        ngram_match=matched / max(rounds, 1), measured=measured, context=context, positions=positions,
-                       ngram={"max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram, "max_len": ngram.max_len})
+                       ngram={"max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram, "max_len": ngram.max_len},
+                       topk={pair_key(lv, FULL): [h / positions for h in hits] for lv, hits in topk_hits.items()})
 
 
 # ---------------------------------------------------------------------------------------------- storage

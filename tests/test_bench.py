@@ -141,6 +141,16 @@ def test_bench_prints_table_then_one_json_line_and_every_strategy_reproduces_hf(
     assert full["per_prompt"][0]["strategies"]["hispec"]["identical"] is True
 
 
+def test_static_trees_get_a_latency_prediction_and_dynamic_ones_none(checkpoint, prompts_file, capsys):
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file, tokens=8), "--num-prompts", 2,
+                               "--strategies", "ar,self-spec,tree:2x1,tree:dyn-2-2-2-4")
+    assert rc == 0, out.err
+    st = summary["strategies"]
+    assert all(st[s]["identical"] == 1.0 for s in st)
+    assert st["tree:2x1"]["predicted_speedup_vs_ar"] > 0 and st["self-spec"]["predicted_speedup_vs_ar"] > 0
+    assert st["tree:dyn-2-2-2-4"]["predicted_speedup_vs_ar"] is None  # dynamic trees are not modelled
+
+
 def test_num_prompts_and_categories_select_prompts(checkpoint, prompts_file, capsys):
     rc, _, summary = run_cli(capsys, *common(checkpoint, prompts_file, 4), "--strategies", "hf,ar",
                              "--categories", "math", "--num-prompts", 1)

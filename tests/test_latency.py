@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -239,7 +240,12 @@ def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
     assert set(cal.acceptance) == {"ngram>L2", "ngram>L4", "ngram>full", "L2>L4", "L2>full", "L4>full"}
     assert all(0.0 <= a <= 1.0 for a in cal.acceptance.values())
     assert 0.0 <= cal.ngram_match <= 1.0 and cal.positions == 2 * 15
-    assert all(t > 0 for t in cal.costs["layer"].values()) and set(cal.costs["layer"]) == set(range(1, 10))
+    assert all(t > 0 for t in cal.costs["layer"].values())
+    assert set(cal.costs["layer"]) == set(range(1, 10)) | set(lt.TREE_ROWS)  # chains' pass sizes and the trees'
+    for lv in ("L2", "L4"):  # top-k agreement for tree drafts: r(1) is the top-1 agreement, non-decreasing in k
+        r = cal.topk[f"{lv}>full"]
+        assert len(r) == lt.MAX_TREE_WIDTH and r[0] == pytest.approx(cal.acceptance[f"{lv}>full"])
+        assert all(a <= b for a, b in zip(r, r[1:])) and 0.0 <= r[0] and r[-1] <= 1.0
     assert all(t > 0 for h in cal.costs["head"].values() for t in h.values())
     assert all(t > 0 for t in cal.costs["final"].values())
     assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0
@@ -254,10 +260,11 @@ def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
 def test_calibration_round_trips_through_json_and_the_checkpoint(tiny, tmp_path):
     model, cal = tiny
     d = json.loads(json.dumps(cal.to_dict()))
-    assert set(d["costs"]["layer"]) == {str(t) for t in range(1, 10)}  # int keys became strings
+    assert set(d["costs"]["layer"]) == {str(t) for t in (*range(1, 10), *lt.TREE_ROWS)}  # int keys became strings
     back = lt.Calibration.from_dict(d)
     assert back == cal
     assert lt.time_per_token(["L2", "L4", "full"], [2, 3], back) == lt.time_per_token(["L2", "L4", "full"], [2, 3], cal)
+    assert lt.tree_time_per_token([4, 2, 1], back) == lt.tree_time_per_token([4, 2, 1], cal)
     folder = model.save(tmp_path / "ck")
     lt.write_calibration(folder, cal)
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".config.json")]  # no temporary file left
@@ -302,7 +309,70 @@ def test_predictions_table_names_every_candidate_hierarchy(tiny):
     _, cal = tiny
     rows = lt.predictions(cal, fixed={"hispec (checkpoint defaults)": (["L2", "L4", "full"], [2, 4])})
     names = [r["name"] for r in rows]
-    assert names == ["ar", "self-spec", "hispec", "ngram", "ngram>L_d", "hispec (checkpoint defaults)", "best"]
+    assert names[:6] == ["ar", "self-spec", "hispec", "ngram", "ngram>L_d", "hispec (checkpoint defaults)"]
+    assert names[6].startswith("tree ") and rows[6]["tree"] and names[7:] == ["best"]  # the best static tree
     assert rows[0]["speedup_vs_plain"] == pytest.approx(1.0) and rows[-1]["speedup_vs_plain"] >= 1.0
     text = lt.format_predictions(cal, rows)
     assert "L2>L4>full" in text and cal.machine["cpu"] in text
+
+
+# ---------------------------------------------------------------------------------------------- tree drafts
+def with_topk(cal: lt.Calibration, rates: dict) -> lt.Calibration:
+    return lt.Calibration(**{**{f: getattr(cal, f) for f in ("machine", "dtype", "threads", "model", "costs",
+                                                            "acceptance", "ngram_match")}, "topk": rates})
+
+
+def test_tree_expected_tokens_matches_a_hand_computation():
+    rates = [0.3, 0.5, 0.6]
+    assert lt.tree_expected_tokens([2, 1], rates) == pytest.approx(1 + 0.5 + 0.5 * 0.3)
+    assert lt.tree_expected_tokens([4, 3], rates) == pytest.approx(1 + 0.6 + 0.6 * 0.6)  # k > measured: r(3)
+    assert lt.tree_expected_tokens([1, 1, 1], [0.5]) == pytest.approx(lt.expected_tokens(0.5, 3))
+
+
+def test_tree_round_matches_a_hand_computation():
+    # L=10, draft exit 2; layer(T) = 1 + 0.2 (T-1), head_L2(T) = 0.3 + 0.05 (T-1), final(T) = 2 + 0.1 (T-1), o = 0.1
+    cal = with_topk(synthetic(), {"L2>full": [0.4, 0.6]})
+    layer = lambda T: 1 + 0.2 * (T - 1)  # noqa: E731
+    head = lambda T: 0.3 + 0.05 * (T - 1)  # noqa: E731
+    final = lambda T: 2 + 0.1 * (T - 1)  # noqa: E731
+    # tree [2, 2]: depth 1 from the pending position, depth 2 from 2 nodes, leaves (4 nodes), verify 1 + 6 positions
+    R = (2 * layer(1) + head(1) + 0.1) + (2 * layer(2) + head(2) + 0.1) + 2 * layer(4) + 8 * layer(7) + final(7) + 0.1
+    assert lt.tree_round_seconds([2, 2], cal, "L2") == pytest.approx(R)
+    assert lt.tree_time_per_token([2, 2], cal) == pytest.approx(R / (1 + 0.6 + 0.36))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_tree_of_width_one_is_the_chain(seed):
+    rnd = random.Random(seed)
+    base = random_calibration(rnd)
+    d = f"L{base.model['exits']['draft']}"
+    cal = with_topk(base, {f"{d}>full": [base.acceptance[f"{d}>full"], 0.9]})
+    for g in range(1, 6):
+        assert lt.tree_time_per_token([1] * g, cal) == pytest.approx(lt.time_per_token([d, "full"], [g], cal))
+
+
+def test_best_tree_is_the_fastest_shape_within_its_budget():
+    cal = with_topk(synthetic(), {"L2>full": [0.3, 0.45, 0.55, 0.6, 0.63, 0.65, 0.66, 0.67]})
+    widths, t = lt.best_tree(cal, max_nodes=24)
+    assert sum(math.prod(widths[:i + 1]) for i in range(len(widths))) <= 24
+    assert all(a >= b for a, b in zip(widths, widths[1:]))
+    assert t == pytest.approx(lt.tree_time_per_token(widths, cal))
+    shapes = [list(w) for D in range(1, 5) for w in itertools.product(range(1, 9), repeat=D)
+              if list(w) == sorted(w, reverse=True) and sum(math.prod(w[:i + 1]) for i in range(D)) <= 24]
+    assert t <= min(lt.tree_time_per_token(w, cal) for w in shapes) + 1e-12  # brute force, same space
+    assert lt.best_tree(cal, max_nodes=24) == (widths, t)  # memoised
+
+
+def test_trees_need_a_calibration_with_topk_rates_and_valid_widths():
+    cal = synthetic()
+    with pytest.raises(lt.CalibrationError, match="recalibrate"):
+        lt.tree_time_per_token([4, 2, 1], cal)
+    cal = with_topk(cal, {"L2>full": [0.3]})
+    for bad in ([], [0, 2], [2.5], [True]):
+        with pytest.raises(ValueError, match="widths"):
+            lt.tree_time_per_token(bad, cal)
+    with pytest.raises(ValueError, match="exit level"):
+        lt.tree_time_per_token([2], cal, level="full")
+    rows = lt.predictions(cal)
+    tree = [r for r in rows if r["name"].startswith("tree ")]
+    assert len(tree) == 1 and tree[0]["levels"] == ["L2", "full"] and rows[-1]["name"] == "best"

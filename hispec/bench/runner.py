@@ -16,7 +16,7 @@ from ..decoding import STRATEGIES as HISPEC_STRATEGIES
 from ..decoding import _auto_chain, build_levels, parse_hierarchy
 from ..ngram import NgramConfig
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
-from ..tree import parse_tree
+from ..tree import TreeSpec, parse_tree
 from .env import hardware_info, model_info
 
 
@@ -438,7 +438,12 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:
-        if s in HF_STRATEGIES or tree_of(s) is not None:  # the latency model has no trees
+        if s in HF_STRATEGIES:
+            continue
+        tree = tree_of(s)
+        if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)
+            if isinstance(tree, TreeSpec) and cal.topk:
+                out[s] = plain / latency.tree_time_per_token(list(tree.widths), cal)
             continue
         name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
         levels = _auto_chain(model, cal, **kw) if name == "auto" else build_levels(model, parse_hierarchy(name, model),
