@@ -50,7 +50,9 @@ STATELESS_HEAD_TYPES = ("shared", "norm", "linear", "lowrank")  # position-wise:
 EXTRA_CACHE_INDEX = {"draft": 0, "verify": 1}  # a layer head's cache layer: num_layers + this
 
 
-CONTEXT_DEFAULTS = {"window": 16, "heads": 4, "head_dim": None, "mlp_mult": 2}  # head_dim None: min(64, H // heads)
+# head_dim None: min(64, H // heads); frontier 1: the direct path from the newest verified final state (below). A
+# checkpoint written before `frontier` existed has none (hispec.model reads it as 0).
+CONTEXT_DEFAULTS = {"window": 16, "heads": 4, "head_dim": None, "mlp_mult": 2, "frontier": 1}
 
 
 @dataclass
@@ -137,8 +139,12 @@ class ExitHead(nn.Module):
         if cfg["head_dim"] is None:
             cfg["head_dim"] = max(1, min(64, H // cfg["heads"])) if isinstance(cfg["heads"], int) else None
         for k, v in cfg.items():
-            if not isinstance(v, int) or v < 1:
+            if k == "frontier":
+                if v not in (0, 1) or isinstance(v, float):
+                    raise ValueError(f"context head setting frontier must be 0 or 1, got {v!r}")
+            elif not isinstance(v, int) or v < 1:
                 raise ValueError(f"context head setting {k} must be an integer >= 1, got {v!r}")
+        cfg["frontier"] = int(cfg["frontier"])
         self.context_layers, self.context = [int(x) for x in layers], cfg
         nh, dh, W = cfg["heads"], cfg["head_dim"], cfg["window"]
         A = nh * dh
@@ -158,6 +164,10 @@ class ExitHead(nn.Module):
             nn.init.normal_(lin.weight, std=H**-0.5)
         nn.init.zeros_(self.ctx_o.weight)
         nn.init.zeros_(self.ctx_down.weight)
+        if cfg["frontier"]:
+            self.ctx_front = nn.Linear(H, H, bias=False)  # the frontier's state, into the residual before the MLP
+            nn.init.zeros_(self.ctx_front.weight)
+            self.ctx_dist = nn.Parameter(torch.zeros(W, H))  # distance t - f = 1..W (beyond: W)
 
     @property
     def needs_context(self) -> bool:
@@ -274,7 +284,26 @@ class ExitHead(nn.Module):
             att = torch.softmax(att.float(), dim=-1).to(q.dtype)
             o = torch.einsum("btnw,btwnd->btnd", att, v).reshape(B, T, A)
         z = y + self.ctx_o(o)
+        if self.context["frontier"]:
+            z = z + self._frontier(ctx, pos, start, hidden.dtype)
         return z + self.ctx_down(nn.functional.silu(self.ctx_up(z)))
+
+    def _frontier(self, ctx: ContextInputs, pos: torch.Tensor, start: torch.Tensor, dtype) -> torch.Tensor:
+        """The direct path: the deepest kind's state at the newest position f it is available for (per query),
+        normed and mapped, plus an embedding of t - f; zero where that kind has no position yet (f < start)."""
+        i = max(range(len(self.context_layers)), key=lambda j: self.context_layers[j])
+        B, T = pos.shape
+        avail = ctx.avail[i].to(pos.device)
+        f = (avail[:, None].expand(B, T) if avail.dim() == 1 else avail) - 1
+        f = torch.minimum(f, pos)  # a query reads nothing after itself
+        ok = (f >= start[:, None]) & (f >= 0)
+        st = ctx.states[i]
+        H = st.shape[-1]
+        st = st.gather(1, f.clamp(0, st.shape[1] - 1)[..., None].expand(B, T, H).to(st.device)).to(dtype)
+        W = self.ctx_dist.shape[0]
+        d = (pos - f).clamp(1, W) - 1
+        out = self.ctx_front(self.ctx_norms[i](st) + self.ctx_kind[i]) + self.ctx_dist[d].to(dtype)
+        return torch.where(ok[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
     def sequence_context(self, states: dict, distance, mid_distance=None, start=None) -> ContextInputs:
         """`ContextInputs` for whole sequences (training, evaluation): `states` {layer: `[B, T, H]`} holds every

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .heads import EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
+from .heads import CONTEXT_DEFAULTS, EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
 from .layers import DecoderAdapter
 from .sampling import VERIFICATIONS, check_verification
@@ -160,7 +160,9 @@ class HispecConfig:
                 ngram=dict(dec.get("ngram") or {}),
                 verification=verification,
                 calibration=d.get("calibration"),
-                context=d["head"].get("context"),
+                # written before context heads had a frontier path: none (the default for new heads is 1)
+                context=({"frontier": 0, **(d["head"].get("context") or {})} if d["head"]["type"] == "context"
+                         else d["head"].get("context")),
                 context_layers={k: [int(x) for x in v] for k, v in d["head"]["context_layers"].items()}
                 if d["head"].get("context_layers") else None,
             )
@@ -418,7 +420,7 @@ class EarlyExitModel(nn.Module):
             verification=verification,
         )
         if head_type == "context":
-            config.context = dict(context or {})
+            config.context = {"frontier": CONTEXT_DEFAULTS["frontier"], **(context or {})}  # explicit in the config
             config.context_layers = context_layers_for(config.exits, DecoderAdapter(base).num_layers, context_mid)
         elif context or context_mid:
             raise ValueError(f"context settings apply to head_type='context', not {head_type!r}")

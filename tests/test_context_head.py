@@ -25,12 +25,16 @@ def _perturb(model, seed=0, scale=0.5):
                 lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * scale * lin.weight.shape[1] ** -0.5)
             head.ctx_kind.copy_(torch.randn(head.ctx_kind.shape, generator=g))
             head.ctx_rel.copy_(torch.randn(head.ctx_rel.shape, generator=g))
+            if head.context["frontier"]:  # the direct path from the frontier's state and its distance
+                w = head.ctx_front.weight
+                w.copy_(torch.randn(w.shape, generator=g) * scale * w.shape[1] ** -0.5)
+                head.ctx_dist.copy_(torch.randn(head.ctx_dist.shape, generator=g) * scale)
     return model
 
 
-def _context_model(family="llama", seed=0, mid=False, window=4, **kw):
-    model = _wrap(tiny_model(family), head_type="context", context={"window": window, "heads": 2, "head_dim": 8},
-                  context_mid=mid, **kw)
+def _context_model(family="llama", seed=0, mid=False, window=4, frontier=1, **kw):
+    model = _wrap(tiny_model(family), head_type="context",
+                  context={"window": window, "heads": 2, "head_dim": 8, "frontier": frontier}, context_mid=mid, **kw)
     return _perturb(model, seed)
 
 
@@ -71,7 +75,8 @@ def test_projecting_whole_buffers_first_equals_gathering_windows_first():
         c = ContextInputs(states=st, avail=ctx.avail, query_pos=ctx.query_pos, layers=ctx.layers, start=ctx.start)
         out = head(h, context=c)
         out.square().sum().backward()
-        outs.append((out.detach(), head.ctx_k.weight.grad.clone(), head.ctx_norms[1].weight.grad.clone()))
+        outs.append((out.detach(), head.ctx_k.weight.grad.clone(), head.ctx_norms[1].weight.grad.clone(),
+                     head.ctx_front.weight.grad.clone(), head.ctx_dist.grad.clone()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -117,15 +122,16 @@ def _record_context_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("strategy,mid", [("self-spec", False), ("hispec", False), ("hispec", True),
-                                          ("ngram-hispec", True)])
+@pytest.mark.parametrize("strategy,mid,frontier", [("self-spec", False, 1), ("self-spec", False, 0),
+                                                   ("hispec", False, 1), ("hispec", True, 1), ("hispec", True, 0),
+                                                   ("ngram-hispec", True, 1)])
 @pytest.mark.parametrize("family", ["llama", "qwen2-sliding", "gemma2"])
 def test_the_decoder_hands_context_heads_exactly_what_a_whole_sequence_run_computes(monkeypatch, family, strategy,
-                                                                                     mid):
+                                                                                     mid, frontier):
     """At every call of a context head, recompute the states of every layer it reads over the row's tokens as they
     stood then (drafts included), keep the positions the decoder said were available, and run the head: the logits
     must match. Stale buffers after a rollback, a wrong frontier or a wrong window would all show."""
-    model = _context_model(family, seed=1, mid=mid)
+    model = _context_model(family, seed=1, mid=mid, frontier=frontier)
     calls = _record_context_calls(monkeypatch)
     ids, am = _ragged(3, 8, seed=2)
     gamma = 3
@@ -188,7 +194,7 @@ def test_context_heads_round_trip_through_a_checkpoint(tmp_path):
     model.save(tmp_path / "ck")
     loaded = hispec.load(tmp_path / "ck")
     cfg = loaded.hispec_config
-    assert cfg.head_type == "context" and cfg.context == {"window": 5, "heads": 2, "head_dim": 8}
+    assert cfg.head_type == "context" and cfg.context == {"window": 5, "heads": 2, "head_dim": 8, "frontier": 1}
     assert cfg.context_layers == {"draft": [2, 3, model.num_layers], "verify": [3, model.num_layers]}
     for k, v in model.heads_state_dict().items():
         assert torch.equal(loaded.heads_state_dict()[k], v), k
@@ -198,12 +204,53 @@ def test_context_heads_round_trip_through_a_checkpoint(tmp_path):
     assert torch.equal(a.sequences, b.sequences) and a.stats.accepted_at_verify == b.stats.accepted_at_verify
 
 
+def test_a_checkpoint_from_before_the_frontier_path_loads_without_it(tmp_path):
+    import json
+
+    model = _context_model("llama", frontier=0)
+    folder = model.save(tmp_path / "ck")
+    config = json.loads((folder / "config.json").read_text())
+    del config["hispec"]["head"]["context"]["frontier"]  # as written before `frontier` existed
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = hispec.load(folder)
+    assert loaded.hispec_config.context["frontier"] == 0 and not hasattr(loaded.heads["draft"], "ctx_front")
+    ids, am = _ragged(2, 7)
+    a = model.generate(ids, am, max_new_tokens=8, strategy="self-spec", gamma=2)
+    assert torch.equal(a.sequences, loaded.generate(ids, am, max_new_tokens=8, strategy="self-spec", gamma=2).sequences)
+
+
+def test_the_frontier_path_reads_the_newest_verified_final_state():
+    """Changing the final state at the frontier f changes the features; changing it before f (outside the window)
+    or after it (not yet verified) does not, with attention switched off."""
+    model = _context_model("llama", window=2)
+    head = model.heads["draft"]
+    with torch.no_grad():
+        head.ctx_o.weight.zero_()  # attention off: only the frontier path reads the final states
+    H, T = model.adapter.hidden_size, 8
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(1, T, H, generator=g)
+    states = {L: torch.randn(1, T, H, generator=g) for L in head.context_layers}
+    final = head.context_layers.index(model.num_layers)
+    ctx = head.sequence_context(states, 2)  # query t reads final states up to t - 2: f = t - 2
+    with torch.no_grad():
+        base = head(h, context=ctx)
+        for p, changed in ((3, {5}), (6, set()), (0, {2})):  # only the query at t = p + 2 has p as its frontier
+            st = [x.clone() for x in ctx.states]
+            st[final][0, p] += 1.0
+            out = head(h, context=ContextInputs(states=st, avail=ctx.avail, query_pos=ctx.query_pos,
+                                                layers=ctx.layers))
+            diff = {t for t in range(T) if not torch.allclose(out[0, t], base[0, t])}
+            assert diff == changed, (p, diff)
+
+
 def test_bad_context_settings_are_refused_before_any_work():
     base = tiny_model("llama")
     with pytest.raises(ValueError, match="unknown context head settings"):
         _wrap(base, head_type="context", context={"windw": 4})
     with pytest.raises(ValueError, match="integer >= 1"):
         _wrap(base, head_type="context", context={"window": 0})
+    with pytest.raises(ValueError, match="frontier must be 0 or 1"):
+        _wrap(base, head_type="context", context={"frontier": 2})
     with pytest.raises(ValueError, match="head_type='context'"):
         _wrap(base, head_type="linear", context_mid=True)
     cfg = hispec.model.HispecConfig(draft_layer=2, verify_layer=4, head_type="context",

@@ -117,7 +117,7 @@ def test_context_heads_train_evaluate_by_distance_export_and_decode_losslessly(e
     assert list(last["draft"]["by_distance_mid1"]) == ["1", "2", "3", "4"]
     assert "by_distance_mid1" not in last["verify"]
     info = json.loads((out / "hispec_train.json").read_text())
-    assert info["hispec"]["head"]["context"] == {"window": 6, "heads": 2, "head_dim": 8, "mlp_mult": 2}
+    assert info["hispec"]["head"]["context"] == {"window": 6, "heads": 2, "head_dim": 8, "mlp_mult": 2, "frontier": 1}
     assert info["hispec"]["head"]["context_layers"] == {"draft": [2, 4, 6], "verify": [4, 6]}
     assert info["data"]["context"]["ranges"]["mid"] == [1, 3]
 
@@ -125,7 +125,8 @@ def test_context_heads_train_evaluate_by_distance_export_and_decode_losslessly(e
     assert export_main([str(out), "--output-dir", str(ck)]) == 0
     model = hispec.load(ck)
     cfg = model.hispec_config
-    assert cfg.head_type == "context" and cfg.context == {"window": 6, "heads": 2, "head_dim": 8, "mlp_mult": 2}
+    assert cfg.head_type == "context" and cfg.context == {"window": 6, "heads": 2, "head_dim": 8, "mlp_mult": 2,
+                                                    "frontier": 1}
     assert cfg.context_layers == {"draft": [2, 4, 6], "verify": [4, 6]}
     for k, v in model.heads_state_dict().items():
         torch.testing.assert_close(v.float(), state[k], rtol=0, atol=0)

@@ -105,6 +105,10 @@ class ModelArguments:
         default=None, metadata={"help": "'context' heads: dimension per attention head (default min(64, H / heads))."}
     )
     context_mlp_mult: int = field(default=2, metadata={"help": "'context' heads: MLP width as a multiple of H."})
+    context_frontier: bool = field(
+        default=True, metadata={"help": "'context' heads: a direct path from the newest verified final state (+ a "
+                                        "distance embedding) into the MLP (hispec.heads)."}
+    )
     context_mid: bool = field(
         default=False, metadata={"help": "'context' heads: the draft head also reads the verifier exit's states of "
                                          "positions the verifier passed (hispec's draft > verify > full)."}

@@ -46,7 +46,7 @@ def lr_at(step: int, total: int, cfg: TrainArguments) -> float:
 def context_settings(m: ModelArguments) -> dict:
     """The `context` dict `EarlyExitModel.from_base` takes (hispec.heads.CONTEXT_DEFAULTS keys)."""
     out = {"window": m.context_window, "heads": m.context_heads, "head_dim": m.context_head_dim,
-           "mlp_mult": m.context_mlp_mult}
+           "mlp_mult": m.context_mlp_mult, "frontier": int(m.context_frontier)}
     return {k: v for k, v in out.items() if v is not None}
 
 
