@@ -49,10 +49,26 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
          "model": "assistant", "chatgpt": "assistant", "system": "system"}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 LOSS_ON = ("all", "assistant")
+EVAL_SET_MARKERS = ("spec_bench", "spec-bench", "specbench", "mt_bench", "mt-bench", "mtbench")
 
 
 class DataError(ValueError):
     """The training data cannot be used; the message says which file/column and what to do."""
+
+
+def is_eval_set_file(path: str | os.PathLike) -> bool:
+    """Whether a file's name says it is an evaluation benchmark (Spec-Bench / MT-Bench)."""
+    name = Path(path).name.lower()
+    return any(m in name for m in EVAL_SET_MARKERS)
+
+
+def check_training_files(paths, allow_eval_sets: bool = False, advice: str = "never train on them") -> None:
+    """Refuse Spec-Bench / MT-Bench files as training data (design.md §8) unless explicitly allowed: the one rule
+    of `train/heads.py` and `hispec-probe`."""
+    bad = [str(p) for p in paths if is_eval_set_file(p)]
+    if bad and not allow_eval_sets:
+        raise DataError(f"{', '.join(bad)} look like evaluation benchmarks (Spec-Bench / MT-Bench): evaluation sets "
+                        f"are not training data, training heads on them would leak the benchmark; {advice}")
 
 
 def expand_path(p: str | None) -> str | None:
@@ -239,12 +255,29 @@ def prompt_id(messages: list[dict]) -> str:
     return hashlib.sha1(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def _plain_chat(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The layout of a chat for tokenizers without a chat template: 'role: content' lines."""
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if add_generation_prompt else "")
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """Messages -> text with the tokenizer's chat template, or a plain layout when it has none."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant: " if add_generation_prompt else "")
+    return _plain_chat(messages, add_generation_prompt)
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, chat: bool = True) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template; with `chat=False` or no template, the plain layout
+    tokenized with the tokenizer's special tokens."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            return_dict=False)
+        out = out["input_ids"] if hasattr(out, "keys") else out
+        out = out.tolist() if hasattr(out, "tolist") else out
+        return list(out[0] if out and isinstance(out[0], list) else out)
+    return list(tokenizer(_plain_chat(messages, add_generation_prompt))["input_ids"])
 
 
 def assistant_loss_mask(rendered: str, messages: list[dict], offsets) -> list[bool]:

@@ -264,6 +264,13 @@ class TopkBucketKL(torch.autograd.Function):
         return grad, None, None, None
 
 
+def topk_kl(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-row top-k + bucket KL `[n]` (fp32) of full-vocabulary student logits `[n, V]` against a top-k teacher
+    (`teacher_topk`): `TopkBucketKL` with the bucket of `bucket_log_mass`, differentiable in the logits."""
+    return TopkBucketKL.apply(student_logits.float(), topk_ids, topk_logprobs.float(),
+                              bucket_log_mass(topk_logprobs))[0]
+
+
 def _topk_chunk_stats(project, names, with_ce_grad, ids, logp, log_r, labels, *students, topk_agree=0):
     """One chunk of `topk_distill_loss`: like `_chunk_stats` with a top-k + bucket teacher.
 
@@ -374,11 +381,3 @@ def _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pair
         agree_tokens=agree_tok if per_token else None,
         topk_tokens=({k: hit[i] for i, k in enumerate(names)} if hit is not None else None),
     )
-
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """Tokens committed per verification round with gamma drafts of i.i.d. acceptance alpha:
-    (1 - alpha^(gamma+1)) / (1 - alpha), gamma + 1 at alpha = 1."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
