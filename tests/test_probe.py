@@ -22,11 +22,8 @@ from hispec.distill.training import exit_logits, fit_head
 from hispec.layers import DecoderAdapter
 from hispec.prompts import eos_ids
 from hispec.vocab import coverage, select_vocab
-from tiny import tiny_model
+from tiny import char_tokenizer, tiny_model
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-()\n"
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 PROMPTS = [
     {"prompt": "write a poem about the sea.", "category": "writing"},
     {"prompt": "what is 12 times 7?", "category": "math"},
@@ -35,21 +32,6 @@ PROMPTS = [
     {"prompt": "list two fruits.", "category": "writing"},
     {"prompt": "what is 9 minus 4?", "category": "math"},
 ]
-
-
-def char_tokenizer():
-    """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<s>|."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.chat_template = CHAT
-    return fast
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
         if step == 5:
             raise _Killed
 
-    monkeypatch.setattr(th, "_step_hook", kill_after_5)
+    monkeypatch.setattr(th.trainer, "_step_hook", kill_after_5)
     with pytest.raises(_Killed):
         _run(_argv(env, killed, *common))
     monkeypatch.undo()
@@ -390,7 +390,7 @@ def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_fil
         if step == 3:
             raise _Killed
 
-    monkeypatch.setattr(th, "_step_hook", kill_after_3)
+    monkeypatch.setattr(th.trainer, "_step_hook", kill_after_3)
     with pytest.raises(_Killed):
         _run(_cache_argv(env, killed, cache, pairs_file, *common))
     monkeypatch.undo()
@@ -614,7 +614,7 @@ def test_low_precision_on_a_cpu_without_native_support_is_warned_about(monkeypat
 
     import hispec.io
     from hispec.io import matmul_speed_ratio
-    from train.heads import warn_if_slow_low_precision
+    from hispec.distill.trainer import warn_if_slow_low_precision
 
     assert 0 < matmul_speed_ratio(size=32) < float("inf")
     m = SimpleNamespace()

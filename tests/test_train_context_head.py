@@ -170,7 +170,7 @@ def test_a_cache_without_the_final_states_is_refused_before_any_work(env, pairs_
     def no_work(*a, **k):
         raise AssertionError("loaded the model before refusing the cache")
 
-    monkeypatch.setattr(th, "load_base", no_work)
+    monkeypatch.setattr(th.trainer, "load_base", no_work)
     with pytest.raises(th.ConfigError, match=r"not hidden\.6 \(context heads read the final layer's raw residual.*"
                                              r"rebuild it: delete .*cache"):
         _run(_cache_argv(env, tmp_path / "ctx", cache, pairs_file, *CTX, "--max_steps", "2"))
@@ -199,7 +199,7 @@ def test_one_cache_with_final_states_trains_linear_and_context_heads_and_context
         if step == 3:
             raise _Killed
 
-    monkeypatch.setattr(th, "_step_hook", kill_after_3)
+    monkeypatch.setattr(th.trainer, "_step_hook", kill_after_3)
     with pytest.raises(_Killed):
         _run(_cache_argv(env, killed, cache, pairs_file, *common))
     monkeypatch.undo()

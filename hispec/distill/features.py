@@ -38,6 +38,10 @@ Contract:
 - `CachedSequences(out_dir, layers)` is a torch `Dataset` of sequences read lazily (memory-mapped) from the
   shards; `CachedCollator()` concatenates a batch into flat `[N, ...]` tensors plus `labels` (next token within
   the sequence, -100 at its end), `row` (index in the batch of each token) and `offsets`.
+- `frozen_batches(adapter, rows, layers, batch_tokens)` is the one frozen pass over many sequences (longest first,
+  right-padded batches of at most `batch_tokens` padded tokens): the cache builder, the probe's `scored_features`
+  (this content in memory, for the scored positions of `hispec.distill.items.Sequence`s only, laid out by
+  `ScoredLayout`) and checkpoint evaluation (`hispec.distill.metrics.exit_head_predictions`) run on it.
 - The manifest: `format`, `version`, `model` (identity + weight fingerprint + backbone dtype), `layers`, `k`,
   `hidden_dtype`, `hidden_size`, `vocab_size`, `teacher_temperature` (1.0), `num_sequences`, `num_tokens`,
   `num_loss_tokens`, `shards` (file, sequences, tokens, loss_tokens, fingerprint), `fingerprint` (all data),

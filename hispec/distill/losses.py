@@ -173,22 +173,27 @@ def distill_loss(
     need_grad = torch.is_grad_enabled() and any(s.requires_grad for s in students.values())
     use_ckpt = need_grad and n > chunk_size
 
-    sums = torch.zeros(len(names), 2, dtype=torch.float32, device=teacher.device)
+    sums, kl_tok, tops, hits = _over_chunks(_chunk_stats, (project, names, temperature),
+                                            (teacher, labels, *(students[k] for k in names)), n, chunk_size, use_ckpt,
+                                            topk_agree)
+    return _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, teacher.device,
+                     hits if topk_agree else None)
+
+
+def _over_chunks(stats, lead: tuple, tensors: tuple, n: int, chunk_size: int, use_ckpt: bool, topk_agree: int):
+    """`stats(*lead, *chunk of each of tensors)` over chunks of `chunk_size` rows (under activation checkpointing
+    when `use_ckpt`) -> (summed [E, 2] sums, and per chunk the kl / argmax / top-k hit tensors), for both losses."""
+    sums = torch.zeros(len(lead[1]), 2, dtype=torch.float32, device=tensors[0].device)
     kl_tok, tops, hits = [], [], []
     kw = {"topk_agree": topk_agree} if topk_agree else {}
     for a in range(0, n, chunk_size):
-        b = min(n, a + chunk_size)
-        args = (teacher[a:b], labels[a:b], *(students[k][a:b] for k in names))
-        if use_ckpt:
-            s, k, t, h = checkpoint(_chunk_stats, project, names, temperature, *args, use_reentrant=False, **kw)
-        else:
-            s, k, t, h = _chunk_stats(project, names, temperature, *args, **kw)
+        args = (*lead, *(x[a : min(n, a + chunk_size)] for x in tensors))
+        s, k, t, h = checkpoint(stats, *args, use_reentrant=False, **kw) if use_ckpt else stats(*args, **kw)
         sums = sums + s
         kl_tok.append(k)
         tops.append(t)
         hits.append(h)
-    return _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, teacher.device,
-                     hits if topk_agree else None)
+    return sums, kl_tok, tops, hits
 
 
 def bucket_log_mass(topk_logprobs: torch.Tensor) -> torch.Tensor:
@@ -336,21 +341,9 @@ def topk_distill_loss(
     need_grad = torch.is_grad_enabled() and any(s.requires_grad for s in students.values())
     use_ckpt = need_grad and n > chunk_size
 
-    sums = torch.zeros(len(names), 2, dtype=torch.float32, device=device)
-    kl_tok, tops, hits = [], [], []
-    kw = {"topk_agree": topk_agree} if topk_agree else {}
-    for a in range(0, n, chunk_size):
-        b = min(n, a + chunk_size)
-        args = (ids[a:b], logp[a:b], log_r[a:b], labels[a:b], *(students[k][a:b] for k in names))
-        if use_ckpt:
-            s, k, t, h = checkpoint(_topk_chunk_stats, project, names, ce_weight > 0, *args, use_reentrant=False,
-                                    **kw)
-        else:
-            s, k, t, h = _topk_chunk_stats(project, names, ce_weight > 0, *args, **kw)
-        sums = sums + s
-        kl_tok.append(k)
-        tops.append(t)
-        hits.append(h)
+    sums, kl_tok, tops, hits = _over_chunks(_topk_chunk_stats, (project, names, ce_weight > 0),
+                                            (ids, logp, log_r, labels, *(students[k] for k in names)), n, chunk_size,
+                                            use_ckpt, topk_agree)
     return _assemble(names, sums, kl_tok, tops, labels, n, 1.0, ce_weight, pairs, per_token, device,
                      hits if topk_agree else None)
 
