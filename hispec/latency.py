@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .heads import ContextInputs
 from .io import write_json
@@ -763,8 +764,6 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     3. unit costs (`measure_costs`) behind a KV cache of the typical context (median prompt + half an answer),
        for T = 1..max(max_gamma, ngram.max_len) + 1;
     4. `step_overhead` = median decode step - (L layer(1) + final(1)), clamped at 0."""
-    from tqdm.auto import tqdm
-
     ad = model.adapter
     L, dev = ad.num_layers, ad.device
     exits = {"draft": model.draft_layer, "verify": model.verify_layer}

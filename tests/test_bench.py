@@ -16,7 +16,7 @@ import hispec
 from hispec import bench
 from hispec.cli.bench import main
 from hispec.model import EarlyExitModel
-from tiny import char_tokenizer, tiny_model
+from tiny import char_tokenizer, save_tiny, tiny_model
 
 PROMPTS = [
     {"prompt": "write a poem about the sea.", "category": "writing"},
@@ -48,10 +48,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("base") / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory.mktemp("base") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from hispec.distill.training import exit_logits, fit_head
 from hispec.layers import DecoderAdapter
 from hispec.prompts import eos_ids
 from hispec.vocab import coverage, select_vocab
-from tiny import char_tokenizer, tiny_model
+from tiny import char_tokenizer, save_tiny, tiny_model
 
 PROMPTS = [
     {"prompt": "write a poem about the sea.", "category": "writing"},
@@ -36,10 +36,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 def _jsonl(path, rows):

@@ -72,3 +72,10 @@ def char_tokenizer():
                                    eos_token="</s>")
     fast.chat_template = CHAT
     return fast
+
+
+def save_tiny(folder, family: str = "llama"):
+    """A tiny model of `family` with `char_tokenizer()` saved as a plain HF folder."""
+    tiny_model(family).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder

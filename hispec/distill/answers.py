@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import HfArgumentParser
 
 from hispec.distill.args import DataArguments, GenerationArguments, ModelArguments
 from hispec.distill.data import DataError, expand_path, load_examples, prompt_id, prompt_of, render_chat
@@ -246,8 +247,6 @@ def prompts_from(ds) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from transformers import HfArgumentParser
-
     @dataclass
     class Out:
         output_dir: str = field(default="runs/self_distill", metadata={"help": "Folder of the answer jsonl files."})

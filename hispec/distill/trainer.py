@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import datasets
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import InitProcessGroupKwargs, set_seed
@@ -34,6 +35,7 @@ from datasets import Dataset, concatenate_datasets
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, SequentialSampler
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from hispec import io as hio  # hio.matmul_speed_ratio looked up per call: tests replace it
 from hispec.distill import data as tdata
@@ -216,8 +218,6 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
 def _num_layers_from_config(path: str, revision: str | None) -> int | None:
     if path.endswith(".gguf"):
         return None  # read from the loaded model instead
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(path, **({"revision": revision} if revision else {}))
     cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     return int(cfg.num_hidden_layers)
@@ -374,8 +374,6 @@ def start_processes(t: TrainArguments):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not state.is_main_process:
         logger.setLevel(logging.WARNING)
-        import datasets
-
         datasets.disable_progress_bars()
     set_seed(t.seed)
     return state, {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")] if gloo else [], **multi_cpu}
