@@ -42,11 +42,14 @@ level gathers, and which levels a row uses, depend only on tokens already drawn,
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from . import latency
 from .heads import ContextInputs
+from .latency import Calibration, CalibrationError, best_hierarchy
 from .ngram import NgramConfig, propose_batch
 from .sampling import check_verification, greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
 from .tree import check_tree, parse_tree, tree_round
@@ -650,8 +653,6 @@ class _AutoPolicy:
     MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
     def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8):
-        from . import latency
-
         self.latency, self.cal, self.chain, self.max_gamma = latency, cal, chain, max_gamma
         self.names = [lv.name for lv in chain]
         K = len(chain) - 1
@@ -793,8 +794,6 @@ def default_strategy(model) -> str:
     with a warning once: without measurements nothing says speculation pays here, and it must never be slower."""
     cal = getattr(model.hispec_config, "calibration", None)
     if cal:
-        from .latency import CalibrationError
-
         try:
             _calibration(model)
             return "auto"
@@ -804,8 +803,6 @@ def default_strategy(model) -> str:
         why = "the checkpoint holds no calibration"
     if why not in _warned:
         _warned.add(why)
-        import warnings
-
         warnings.warn(f"hispec: {why}; decoding plainly (strategy='ar'). Measure this machine with "
                       "`hispec-export RUN --output-dir OUT --calibrate` or `hispec-bench --model CKPT --calibrate`, "
                       "or choose a strategy yourself.", stacklevel=3)
@@ -813,8 +810,6 @@ def default_strategy(model) -> str:
 
 
 def _calibration(model):
-    from .latency import Calibration, CalibrationError
-
     cal = getattr(model.hispec_config, "calibration", None)
     if not cal:
         raise CalibrationError(
@@ -827,8 +822,6 @@ def _calibration(model):
 
 def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
     """The latency-optimal speculative hierarchy for the calibration (rows may still decode plainly)."""
-    from .latency import best_hierarchy
-
     by_name = {f"L{model.hispec_config.layer_of(n)}": n for n in model.exit_names}
     candidates = (["ngram"] if cal.acceptance.get("ngram>full") is not None else []) + list(by_name)
     choice = best_hierarchy(cal, candidates=candidates, speculative_only=True)

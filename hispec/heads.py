@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .layers import positions_from_mask
+
 HEAD_TYPES = ("shared", "norm", "linear", "lowrank", "layer", "context")
 STATELESS_HEAD_TYPES = ("shared", "norm", "linear", "lowrank")  # position-wise: no attention, no KV
 EXTRA_CACHE_INDEX = {"draft": 0, "verify": 1}  # a layer head's cache layer: num_layers + this
@@ -334,8 +336,6 @@ class ExitHead(nn.Module):
 
     def run_layer_fresh(self, adapter, attention_mask: torch.Tensor | None = None):
         """`run_layer` for whole (left-padded) sequences without a decoder cache: training and evaluation."""
-        from .layers import positions_from_mask
-
         def run(module, hidden):
             B, T = hidden.shape[:2]
             mask = torch.ones(B, T, dtype=torch.long, device=hidden.device) if attention_mask is None else attention_mask

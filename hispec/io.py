@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -125,8 +126,6 @@ def matmul_speed_ratio(dtype=torch.bfloat16, size: int = 256, device="cpu") -> f
     "AVX2") run bf16 GEMMs through a slow fallback -- measured 1 GFLOPS against 140 GFLOPS in fp32 on a 2-core
     AMD EPYC without AVX-512, while CPUs with AVX-512 BF16 / AMX run bf16 faster than fp32. So whether bf16 pays
     is measured here, not assumed."""
-    import time
-
     a = torch.randn(size, size, device=device)
     times = {}
     for dt in (torch.float32, dtype):

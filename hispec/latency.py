@@ -89,6 +89,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .heads import ContextInputs
 from .io import write_json
@@ -871,8 +872,6 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
        for T = 1..max(max_gamma, ngram.max_len) + 1 and the tree passes' TREE_ROWS; per exit, the share of answer
        positions where the model's argmax is among the exit's top-k (k = 1..MAX_TREE_WIDTH; tree drafts);
     4. `step_overhead` = median decode step - (L layer(1) + final(1)), clamped at 0."""
-    from tqdm.auto import tqdm
-
     ad = model.adapter
     L, dev = ad.num_layers, ad.device
     exits = {"draft": model.draft_layer, "verify": model.verify_layer}

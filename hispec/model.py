@@ -21,10 +21,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import decoding
+from .gguf import load_gguf_model, load_gguf_tokenizer
 from .heads import CONTEXT_DEFAULTS, EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
 from .layers import DecoderAdapter
 from .sampling import VERIFICATIONS, check_verification
+from .vocab import vocab_for_model
 
 FORMAT_VERSION = 2  # 2: exits as a list, decoding.ngram, calibration; version-1 configs still load
 HEADS_FILE = "hispec_heads.safetensors"
@@ -203,8 +206,6 @@ def load_base_model(name_or_path: str, dtype=None, device=None, revision: str | 
     dtype = parse_dtype(dtype)
     path = str(name_or_path)
     if path.endswith(".gguf"):
-        from .gguf import load_gguf_model
-
         model = load_gguf_model(path, dtype=dtype, device=device)
     else:
         from transformers import AutoModelForCausalLM
@@ -225,8 +226,6 @@ def load_tokenizer(name_or_path: str, revision: str | None = None):
     """The tokenizer that goes with `load_base_model(name_or_path)`, or None if there is none."""
     path = str(name_or_path)
     if path.endswith(".gguf"):
-        from .gguf import load_gguf_tokenizer
-
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
@@ -429,8 +428,6 @@ class EarlyExitModel(nn.Module):
             config.base["name_or_path"] = str(local.absolute()) if local.exists() else str(model_or_path)
         model = cls(base, config, tokenizer=tokenizer)
         if draft_vocab_size or verify_vocab_size:
-            from .vocab import vocab_for_model
-
             for name, size in (("draft", draft_vocab_size), ("verify", verify_vocab_size)):
                 if size:
                     model.set_exit_vocab(name, vocab_for_model(model, size))
@@ -488,9 +485,7 @@ class EarlyExitModel(nn.Module):
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Decode with a strategy ('auto', 'ar', 'self-spec', 'hispec', 'ngram', ... or a hierarchy such as
         'ngram>L4>full'); see `hispec.decoding.generate`."""
-        from .decoding import generate
-
-        return generate(self, input_ids, attention_mask=attention_mask, **kwargs)
+        return decoding.generate(self, input_ids, attention_mask=attention_mask, **kwargs)
 
 
 def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: str | None = None) -> EarlyExitModel:

@@ -115,6 +115,10 @@ def cut_at_eos(tokens: list[int], eos, *, keep_eos: bool = True) -> tuple[list[i
     return tokens, False
 
 
+def pad_id_of(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its EOS, else 0."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+
 def encode_prompts(tokenizer, texts: list[str], chat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    return left_pad([render(tokenizer, t, chat) for t in texts], pad)
+    return left_pad([render(tokenizer, t, chat) for t in texts], pad_id_of(tokenizer))

@@ -16,11 +16,8 @@ import hispec
 from hispec import bench
 from hispec.cli.bench import main
 from hispec.model import EarlyExitModel
-from tiny import tiny_model
+from tiny import char_tokenizer, save_tiny, tiny_model
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-()\n"
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 PROMPTS = [
     {"prompt": "write a poem about the sea.", "category": "writing"},
     {"prompt": "what is 12 times 7?", "category": "math"},
@@ -32,21 +29,6 @@ SUMMARY_KEYS = {"lossless", "lossless_up_to_ties", "speedup_vs_hf", "speedup_vs_
 STRATEGY_KEYS = {"tokens_per_s", "speedup_vs_hf", "speedup_vs_self_spec", "tokens_per_target_pass",
                  "verify_acceptance", "target_acceptance", "layer_evals_per_token", "time_share", "identical",
                  "identical_up_to_ties"}
-
-
-def char_tokenizer():
-    """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<s>|."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.chat_template = CHAT
-    return fast
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +48,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("base") / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory.mktemp("base") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")

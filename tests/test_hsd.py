@@ -376,7 +376,7 @@ def test_unknown_verification_is_refused_before_any_work():
 
 
 def test_hispec_generate_cli_takes_the_verification(tmp_path, capsys):
-    from test_bench import char_tokenizer
+    from tiny import char_tokenizer
 
     from hispec.cli.generate import main
 

@@ -15,11 +15,11 @@ from hispec.distill.losses import (
     bucket_log_mass,
     distill_loss,
     exit_states,
-    expected_tokens_per_round,
     kl_per_token,
     next_token_labels,
     topk_distill_loss,
 )
+from hispec.distill.metrics import expected_tokens_per_round
 
 H, V = 16, 53
 

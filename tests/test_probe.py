@@ -7,18 +7,23 @@ stands in for a real model; the metric helpers are checked on handcrafted inputs
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from hispec import probe
 from hispec.cli.probe import main
+from hispec.distill import items, metrics
+from hispec.distill.answers import AnswerCache, model_fingerprint
+from hispec.distill.data import chat_ids
+from hispec.distill.losses import teacher_topk, topk_kl
+from hispec.distill.training import exit_logits, fit_head
 from hispec.layers import DecoderAdapter
-from tiny import tiny_model
+from hispec.prompts import eos_ids
+from hispec.vocab import coverage, select_vocab
+from tiny import char_tokenizer, save_tiny, tiny_model
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-()\n"
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 PROMPTS = [
     {"prompt": "write a poem about the sea.", "category": "writing"},
     {"prompt": "what is 12 times 7?", "category": "math"},
@@ -29,27 +34,9 @@ PROMPTS = [
 ]
 
 
-def char_tokenizer():
-    """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<s>|."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.chat_template = CHAT
-    return fast
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 def _jsonl(path, rows):
@@ -80,57 +67,62 @@ def test_parse_layers():
 
 def test_simulate_rounds_handcrafted():
     # all agree, gamma 4: rounds commit 5 + 5 tokens
-    assert probe.simulate_rounds([1] * 10, 4) == (10, 2)
+    assert metrics.simulate_rounds([1] * 10, 4) == (10, 2)
     # never agree: one token per full pass
-    assert probe.simulate_rounds([0] * 7, 4) == (7, 7)
+    assert metrics.simulate_rounds([0] * 7, 4) == (7, 7)
     # 1,1,0 -> round 1 accepts 2 and corrects position 2 (3 tokens); then 1,1,1,1 accepted + bonus (5 tokens)
-    assert probe.simulate_rounds([1, 1, 0, 1, 1, 1, 1, 1], 4) == (8, 2)
+    assert metrics.simulate_rounds([1, 1, 0, 1, 1, 1, 1, 1], 4) == (8, 2)
     # gamma caps the accepted run: 6 agreements with gamma 2 -> 3 + 3 tokens
-    assert probe.simulate_rounds([1] * 6, 2) == (6, 2)
+    assert metrics.simulate_rounds([1] * 6, 2) == (6, 2)
     # the last round is cut at the answer's end: 3 positions all agreeing -> one pass
-    assert probe.simulate_rounds([1, 1, 1], 4) == (3, 1)
-    assert probe.simulate_rounds([0, 1, 1, 0, 0], 1) == (5, 4)  # 0 | 1,1 | 0 | 0
+    assert metrics.simulate_rounds([1, 1, 1], 4) == (3, 1)
+    assert metrics.simulate_rounds([0, 1, 1, 0, 0], 1) == (5, 4)  # 0 | 1,1 | 0 | 0
     # over answers: rounds never cross an answer boundary
     agree = torch.tensor([1, 1, 1, 1, 0, 0, 0])
     seg = torch.tensor([0, 0, 0, 0, 1, 1, 1])
-    assert probe.tokens_per_pass(agree, seg, 4) == pytest.approx(7 / 4)  # (4 tokens, 1 pass) + (3, 3)
-    assert probe.iid_tokens_per_pass(0.0, 4) == 1.0
-    assert probe.iid_tokens_per_pass(1.0, 4) == 5.0
-    assert probe.iid_tokens_per_pass(0.5, 2) == pytest.approx(1.75)
+    assert metrics.tokens_per_pass(agree, seg, 4) == pytest.approx(7 / 4)  # (4 tokens, 1 pass) + (3, 3)
+    assert metrics.expected_tokens_per_round(0.0, 4) == 1.0
+    assert metrics.expected_tokens_per_round(1.0, 4) == 5.0
+    assert metrics.expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
 
 
 def test_top_vocab_and_coverage_handcrafted():
-    tokens = torch.tensor([5, 5, 5, 3, 3, 9, 9, 1, 7])  # counts: 5:3, 3:2, 9:2, 1:1, 7:1
-    assert probe.top_vocab(tokens, 1, 10).tolist() == [5]
-    assert probe.top_vocab(tokens, 2, 10).tolist() == [3, 5]  # 3 and 9 tie: the lower id wins
-    assert probe.top_vocab(tokens, 4, 10).tolist() == [1, 3, 5, 9]  # 1 and 7 tie
-    assert probe.top_vocab(tokens, 7, 10).tolist() == [0, 1, 2, 3, 5, 7, 9]  # fill with the lowest unseen ids
-    vocab = probe.top_vocab(tokens, 3, 10)  # {3, 5, 9}
-    assert probe.coverage(vocab, torch.tensor([5, 3, 0, 9, 8])) == pytest.approx(3 / 5)
-    assert probe.coverage(vocab, torch.tensor([], dtype=torch.long)) is None
-    with pytest.raises(probe.ProbeError):
-        probe.top_vocab(tokens, 11, 10)
+    """The probe's draft vocabularies are `hispec.vocab.select_vocab` over the training answers' token counts."""
+    counts = torch.bincount(torch.tensor([5, 5, 5, 3, 3, 9, 9, 1, 7]), minlength=10)  # 5:3, 3:2, 9:2, 1:1, 7:1
+
+    def top_vocab(size):
+        return select_vocab(size, 10, counts)
+
+    assert top_vocab(1).tolist() == [5]
+    assert top_vocab(2).tolist() == [3, 5]  # 3 and 9 tie: the lower id wins
+    assert top_vocab(4).tolist() == [1, 3, 5, 9]  # 1 and 7 tie
+    assert top_vocab(7).tolist() == [0, 1, 2, 3, 5, 7, 9]  # fill with the lowest unseen ids
+    vocab = top_vocab(3)  # {3, 5, 9}
+    assert coverage(vocab, torch.tensor([5, 3, 0, 9, 8])) == pytest.approx(3 / 5)
+    assert math.isnan(coverage(vocab, torch.tensor([], dtype=torch.long)))
+    with pytest.raises(ValueError):
+        top_vocab(11)
     logits = torch.tensor([[0.0, 9.0, 1.0, 2.0], [5.0, 1.0, 0.0, 3.0]])
     mask = torch.tensor([True, False, True, True])
-    assert probe.restricted_argmax(logits, mask).tolist() == [3, 0]
+    assert metrics.restricted_argmax(logits, mask).tolist() == [3, 0]
 
 
 def test_topk_kl_matches_bucketed_kl():
     g = torch.Generator().manual_seed(0)
     t = torch.randn(5, 20, generator=g) * 3
     s = torch.randn(5, 20, generator=g) * 3
-    ids, logp, top = probe.teacher_targets(t, 20)
+    ids, logp = teacher_topk(t, 20)
     full = (logp.exp() * (logp - torch.log_softmax(s, -1).gather(-1, ids))).sum(-1)
-    assert torch.allclose(probe.topk_kl(s, ids, logp), full, atol=1e-5)  # k = V: exact KL
-    assert torch.equal(top, t.argmax(-1))
-    ids, logp, _ = probe.teacher_targets(t, 4)
+    assert torch.allclose(topk_kl(s, ids, logp), full, atol=1e-5)  # k = V: exact KL
+    assert torch.equal(ids[:, 0], t.argmax(-1))  # the teacher's argmax, which agreement is counted against
+    ids, logp = teacher_topk(t, 4)
     p, q = torch.softmax(t, -1), torch.softmax(s, -1)
     pk, qk = p.gather(-1, ids), q.gather(-1, ids)
     P = torch.cat([pk, 1 - pk.sum(-1, keepdim=True)], -1)
     Q = torch.cat([qk, 1 - qk.sum(-1, keepdim=True)], -1)
     ref = (P * (P.log() - Q.log())).sum(-1)
-    assert torch.allclose(probe.topk_kl(s, ids, logp), ref, atol=1e-5)
-    assert probe.topk_kl(t, ids, logp).abs().max() < 1e-5  # student == teacher
+    assert torch.allclose(topk_kl(s, ids, logp), ref, atol=1e-5)
+    assert topk_kl(t, ids, logp).abs().max() < 1e-5  # student == teacher
 
 
 def test_trained_head_beats_zero_shot():
@@ -143,22 +135,27 @@ def test_trained_head_beats_zero_shot():
     with torch.no_grad():
         h = torch.randn(1400, H)
         n = adapter.final_norm(h)
-        ids, logp, top = probe.teacher_targets(adapter.project(n + n @ B.T), 16)
+        ids, logp = teacher_topk(adapter.project(n + n @ B.T), 16)
     tr, ev = slice(0, 1000), slice(1000, None)
-    shared = probe.make_head("shared", adapter)
-    base = probe.evaluate_head(shared, adapter, h[ev], ids[ev], logp[ev], top[ev])
+
+    def evaluate(head):
+        return metrics.head_agreement(lambda x: exit_logits(head, adapter, x), h[ev], ids[ev], logp[ev])
+
+    def train(head):
+        return fit_head(head, adapter, h[tr], ids[tr], logp[tr], steps=150, schedule=probe.schedule(150, 1e-2),
+                        batch_tokens=256, seed=0)
+
+    base = evaluate(probe.make_head("shared", adapter))
     head = probe.make_head("linear", adapter, seed=1)
-    losses = probe.train_head(head, adapter, h[tr], ids[tr], logp[tr], steps=150, lr=1e-2, batch_tokens=256, seed=0)
-    trained = probe.evaluate_head(head, adapter, h[ev], ids[ev], logp[ev], top[ev])
+    losses = train(head)
+    trained = evaluate(head)
     assert len(losses) == 150
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
     assert trained["kl"].mean() < base["kl"].mean()
     assert trained["agree1"].float().mean() > base["agree1"].float().mean() + 0.2
     assert trained["agree5"].float().mean() >= trained["agree1"].float().mean()
     # deterministic given the seeds
-    again = probe.make_head("linear", adapter, seed=1)
-    assert probe.train_head(again, adapter, h[tr], ids[tr], logp[tr], steps=150, lr=1e-2, batch_tokens=256,
-                            seed=0) == losses
+    assert train(probe.make_head("linear", adapter, seed=1)) == losses
 
 
 def test_items_split_and_chat_spans(tmp_path):
@@ -169,32 +166,32 @@ def test_items_split_and_chat_spans(tmp_path):
         {"question": "what is 2+2?", "answer": "4"},  # a prompt (the reference answer is not the model's own)
         {"turns": ["q1", "q2"], "category": "writing", "question_id": 1},
     ])
-    items = probe.read_items(f)
-    assert [it.kind for it in items] == ["chat", "chat", "prompt", "prompt"]
-    assert [it.category for it in items] == ["mix", "mix", "mix", "writing"]
+    got = items.read_items(f)
+    assert [it.kind for it in got] == ["chat", "chat", "prompt", "prompt"]
+    assert [it.category for it in got] == ["mix", "mix", "mix", "writing"]
     tok = char_tokenizer()
-    ids, spans = probe.chat_sequence(tok, items[1].messages, 1024)
+    ids, spans = items.chat_sequence(tok, got[1].messages, 1024)
     scored = "".join(tok.decode(ids[a:b]) for a, b in spans)
     assert scored.replace(" ", "") == "b.\ndd.\n"  # exactly the two assistant turns (+ their line ends)
-    train, held = probe.split_items(items * 2, 0.5, seed=3)
+    train, held = items.split_items(got * 2, 0.5, seed=3)
     assert {it.key for it in train}.isdisjoint({it.key for it in held}) and len(train) + len(held) == 8
-    assert probe.split_items(items, 0.5, seed=3) == probe.split_items(items, 0.5, seed=3)
-    picked = probe.select_items(items, 3)
+    assert items.split_items(got, 0.5, seed=3) == items.split_items(got, 0.5, seed=3)
+    picked = items.select_items(got, 3)
     assert [it.category for it in picked] == ["mix", "writing", "mix"]  # round-robin over categories
     txt = tmp_path / "doc.txt"
     txt.write_text("some plain text to score.\nmore text.\n")
-    assert [it.kind for it in probe.read_items(txt)] == ["prompt", "prompt"]
-    assert [it.kind for it in probe.read_items(txt, raw_text=True)] == ["text"]
+    assert [it.kind for it in items.read_items(txt)] == ["prompt", "prompt"]
+    assert [it.kind for it in items.read_items(txt, raw_text=True)] == ["text"]
 
 
 def test_answer_cache_serves_shorter_requests(tmp_path):
-    c = probe.AnswerCache(tmp_path, "abc" * 8, "float32")
+    c = AnswerCache(tmp_path, "abc" * 8, "float32")
     c.put_many([([1, 2, 3], [7, 8, 9, 10], False, 4), ([4], [5, 2], True, 4)])
-    c2 = probe.AnswerCache(tmp_path, "abc" * 8, "float32")  # from disk
+    c2 = AnswerCache(tmp_path, "abc" * 8, "float32")  # from disk
     assert c2.get([1, 2, 3], 2) == [7, 8]
     assert c2.get([1, 2, 3], 8) is None  # unfinished and shorter than asked: regenerate
     assert c2.get([4], 100) == [5, 2]  # finished (EOS): valid for any length
-    assert probe.AnswerCache(tmp_path, "xyz" * 8, "float32").get([4], 1) is None  # another model
+    assert AnswerCache(tmp_path, "xyz" * 8, "float32").get([4], 1) is None  # another model
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -343,11 +340,11 @@ def _independent_eval(ckpt, prompts, max_new_tokens, gamma):
 
     model = hispec.load(ckpt)
     tok, ad, V = model.tokenizer, model.adapter, model.adapter.vocab_size
-    eos = probe.eos_ids(model.base, tok)
+    eos = eos_ids(tok, model.base.generation_config)
     N = ad.num_layers
     per = []  # (category, final, {exit: (argmax, top5 hit, unrestricted argmax)})
     for rec in prompts:
-        ids = probe.render_messages(tok, [{"role": "user", "content": rec["prompt"]}], True)
+        ids = chat_ids(tok, [{"role": "user", "content": rec["prompt"]}], True)
         x = torch.tensor([ids])
         gen = model.base.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                                   do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=eos)
@@ -382,7 +379,7 @@ def _independent_eval(ckpt, prompts, max_new_tokens, gamma):
             agree = [h[name][0] == f for _, f, h in rows]
             tokens = passes = 0
             for a in agree:
-                t, p = probe.simulate_rounds(a.tolist(), gamma)
+                t, p = metrics.simulate_rounds(a.tolist(), gamma)
                 tokens, passes = tokens + t, passes + p
             out[name] = {"top1": float(torch.cat(agree).float().mean()),
                          "top5": float(torch.cat([h[name][1] for _, _, h in rows]).float().mean()),
@@ -429,7 +426,7 @@ def test_eval_heads_matches_an_independent_teacher_forced_computation(model_dir,
         assert res["top1"][i] == _approx(exp[name]["top1"]), name
         assert res["top5"][i] == _approx(exp[name]["top5"]), name
         assert res["tokens_per_pass"][i] == _approx(exp[name]["tokens_per_pass"]), name
-        assert res["iid_tokens_per_pass"][i] == _approx(probe.iid_tokens_per_pass(res["top1"][i], gamma))
+        assert res["iid_tokens_per_pass"][i] == _approx(metrics.expected_tokens_per_round(res["top1"][i], gamma))
     for key in ("verify_agrees_draft", "final_agrees_given_verify_agrees", "verify_agrees_given_final_agrees"):
         assert res[key] == _approx(exp[key]), key
     # the figures have teeth: neither head always or never agrees, and neither does the verifier with the draft
@@ -478,9 +475,9 @@ def test_eval_heads_matches_an_independent_teacher_forced_computation(model_dir,
 def test_checkpoint_base_shares_cached_answers_with_the_plain_base(model_dir, checkpoints):
     import hispec
 
-    plain = probe.model_fingerprint(hispec.load_base_model(str(model_dir)))
-    assert probe.model_fingerprint(hispec.load(checkpoints["linear"]).base) == plain
-    assert probe.model_fingerprint(hispec.load_base_model(str(checkpoints["layer"]))) == plain
+    plain = model_fingerprint(hispec.load_base_model(str(model_dir)))
+    assert model_fingerprint(hispec.load(checkpoints["linear"]).base) == plain
+    assert model_fingerprint(hispec.load_base_model(str(checkpoints["layer"]))) == plain
 
 
 @pytest.mark.parametrize("extra, message", [

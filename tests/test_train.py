@@ -141,7 +141,21 @@ class _Killed(Exception):
     pass
 
 
-def _assert_same_run(straight, resumed):
+def _run_killed_after(monkeypatch, step, argv):
+    """main(argv), killed (an exception from the trainer's step hook) right after optimizer step `step`."""
+    from hispec.distill import trainer
+
+    def kill(s):
+        if s == step:
+            raise _Killed
+
+    monkeypatch.setattr(trainer, "_step_hook", kill)
+    with pytest.raises(_Killed):
+        _run(argv)
+    monkeypatch.undo()
+
+
+def _assert_same_run(straight, resumed, steps=(0, 3, 6, 9)):
     """The resumed run ended with the straight run's heads (bit for bit), evaluation steps and final metrics."""
     a, b = _heads(straight), _heads(resumed)
     assert sorted(a) == sorted(b)
@@ -149,15 +163,13 @@ def _assert_same_run(straight, resumed):
         assert torch.equal(a[k], b[k]), k
     ma = json.loads((straight / "metrics.json").read_text())
     mb = json.loads((resumed / "metrics.json").read_text())
-    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == [0, 3, 6, 9]
+    assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == list(steps)
     assert mb["final"] == ma["final"]
 
 
 def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
     """9 steps straight vs. killed after step 5 + `--resume_from_checkpoint latest` (from step 4, mid-epoch,
     with gradient accumulation and an epoch boundary after it): identical heads, bit for bit."""
-    import train.heads as th
-
     common = ("--max_steps", "9", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
               "--eval_steps", "3", "--learning_rate", "1e-2")
     straight = tmp_path / "straight"
@@ -167,14 +179,7 @@ def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
 
     killed = tmp_path / "killed"
 
-    def kill_after_5(step):
-        if step == 5:
-            raise _Killed
-
-    monkeypatch.setattr(th, "_step_hook", kill_after_5)
-    with pytest.raises(_Killed):
-        _run(_argv(env, killed, *common))
-    monkeypatch.undo()
+    _run_killed_after(monkeypatch, 5, _argv(env, killed, *common))
     ckpts = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert ckpts == ["step_2", "step_4"] and not (killed / "hispec_heads.safetensors").exists()
     (killed / "checkpoints" / ".tmp_step_6").mkdir()  # a half-written checkpoint is never picked up
@@ -378,28 +383,15 @@ def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path)
 
 
 def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):
-    import train.heads as th
-
     cache = tmp_path / "cache"  # built by the first run, reused by the others
     common = ("--max_steps", "7", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
               "--eval_steps", "3", "--learning_rate", "1e-2", "--ce_weight", "0.2", "--loss_dtype", "bf16")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert _run(_cache_argv(env, straight, cache, pairs_file, *common)) == 0
 
-    def kill_after_3(step):
-        if step == 3:
-            raise _Killed
-
-    monkeypatch.setattr(th, "_step_hook", kill_after_3)
-    with pytest.raises(_Killed):
-        _run(_cache_argv(env, killed, cache, pairs_file, *common))
-    monkeypatch.undo()
+    _run_killed_after(monkeypatch, 3, _cache_argv(env, killed, cache, pairs_file, *common))
     assert _run(_cache_argv(env, killed, cache, pairs_file, *common, "--resume_from_checkpoint", "latest")) == 0
-    a, b = _heads(straight), _heads(killed)
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    ma = json.loads((straight / "metrics.json").read_text())
-    mb = json.loads((killed / "metrics.json").read_text())
-    assert mb["final"] == ma["final"] and [h["step"] for h in mb["history"]] == [0, 3, 6, 7]
+    _assert_same_run(straight, killed, steps=(0, 3, 6, 7))
 
 
 def test_feature_cache_of_other_data_is_refused(env, pairs_file, tmp_path):
@@ -614,7 +606,7 @@ def test_low_precision_on_a_cpu_without_native_support_is_warned_about(monkeypat
 
     import hispec.io
     from hispec.io import matmul_speed_ratio
-    from train.heads import warn_if_slow_low_precision
+    from hispec.distill.trainer import warn_if_slow_low_precision
 
     assert 0 < matmul_speed_ratio(size=32) < float("inf")
     m = SimpleNamespace()

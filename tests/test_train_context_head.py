@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
-from test_train import _argv, _heads, _Killed, _run, env, fresh_accelerate_state, pairs_file  # noqa: F401
+from test_train import (  # noqa: F401  (fixtures)
+    _argv, _assert_same_run, _heads, _run, _run_killed_after, env, fresh_accelerate_state, pairs_file,
+)
 
 import hispec
 
@@ -171,7 +173,7 @@ def test_a_cache_without_the_final_states_is_refused_before_any_work(env, pairs_
     def no_work(*a, **k):
         raise AssertionError("loaded the model before refusing the cache")
 
-    monkeypatch.setattr(th, "load_base", no_work)
+    monkeypatch.setattr(th.trainer, "load_base", no_work)
     with pytest.raises(th.ConfigError, match=r"not hidden\.6 \(context heads read the final layer's raw residual.*"
                                              r"rebuild it: delete .*cache"):
         _run(_cache_argv(env, tmp_path / "ctx", cache, pairs_file, *CTX, "--max_steps", "2"))
@@ -196,23 +198,12 @@ def test_one_cache_with_final_states_trains_linear_and_context_heads_and_context
     assert _run(_cache_argv(env, straight, cache, pairs_file, *common)) == 0
     assert open_feature_cache(cache / "train")["build_seconds"] == built["build_seconds"]
 
-    def kill_after_3(step):
-        if step == 3:
-            raise _Killed
-
-    monkeypatch.setattr(th, "_step_hook", kill_after_3)
-    with pytest.raises(_Killed):
-        _run(_cache_argv(env, killed, cache, pairs_file, *common))
-    monkeypatch.undo()
+    _run_killed_after(monkeypatch, 3, _cache_argv(env, killed, cache, pairs_file, *common))
     with pytest.raises(th.ConfigError, match="trained with context="):  # other distances: refused
         _run(_cache_argv(env, killed, cache, pairs_file, *common, "--resume_from_checkpoint", "latest",
                          "--context_draft_distance", "1", "2"))
     assert _run(_cache_argv(env, killed, cache, pairs_file, *common, "--resume_from_checkpoint", "latest")) == 0
-    a, b = _heads(straight), _heads(killed)
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    ma = json.loads((straight / "metrics.json").read_text())
-    mb = json.loads((killed / "metrics.json").read_text())
-    assert mb["final"] == ma["final"] and [h["step"] for h in mb["history"]] == [0, 3, 6, 7]
+    _assert_same_run(straight, killed, steps=(0, 3, 6, 7))
 
 
 def test_head_report_puts_context_heads_next_to_linear_ones_from_metrics_json(env, tmp_path, capsys):  # noqa: F811

@@ -52,3 +52,30 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     return model.to(dtype).eval()
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'-()\n"
+CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def char_tokenizer():
+    """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("<s>|."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT
+    return fast
+
+
+def save_tiny(folder, family: str = "llama"):
+    """A tiny model of `family` with `char_tokenizer()` saved as a plain HF folder."""
+    tiny_model(family).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 DEFAULT_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup", "ar", "self-spec", "hispec", "ngram")
 
@@ -218,8 +219,6 @@ def _sweep(args, model, from_base: bool, prompts, config, progress: bool) -> int
 
 def _calibrate(args, model, prompts, progress: bool) -> None:
     """Calibrate the latency model on prompts the benchmark does not run (when the file has enough), store it."""
-    from pathlib import Path
-
     from .. import latency
     from ..prompts import load_prompts, spread_over_categories
 
@@ -257,8 +256,6 @@ def _ngram(args) -> dict | None:
 
 
 def _write_json(path: str, data: dict) -> None:
-    from pathlib import Path
-
     from ..io import write_json  # torch-heavy: imported when used, so --help stays fast
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -147,48 +147,49 @@ def _check_args(args) -> str | None:
     return None
 
 
+
 def _read_config(model: str) -> dict | None:
     """The text config of a local folder's config.json (None when it cannot be read without loading)."""
-    path = Path(model).expanduser()
-    cfg = path / "config.json"
-    if path.is_dir() and cfg.is_file():
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-        return data.get("text_config", data) if "num_hidden_layers" not in data else data
-    return None
+    cfg = Path(model).expanduser() / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text(encoding="utf-8"))
+    return data if "num_hidden_layers" in data else data.get("text_config", data)
 
 
 def _check_against(args, num_layers: int, hidden: int | None, vocab: int | None) -> None:
-    from ..probe import ProbeError, parse_layers
+    from ..probe import parse_layers
 
     parse_layers(args.layers, num_layers)
     if args.train_size_layers:
         parse_layers(args.train_size_layers, num_layers)
     if hidden and "lowrank" in args.head_types and args.rank > hidden:
-        raise ProbeError(f"--rank {args.rank} exceeds the hidden size ({hidden}); lowrank heads need 1..{hidden}")
+        raise ValueError(f"--rank {args.rank} exceeds the hidden size ({hidden}); lowrank heads need 1..{hidden}")
     for k in args.draft_vocab_sizes or []:
         if vocab and k > vocab:
-            raise ProbeError(f"draft vocabulary size {k} exceeds the model's vocabulary ({vocab})")
+            raise ValueError(f"draft vocabulary size {k} exceeds the model's vocabulary ({vocab})")
 
 
-def _check_model_path(model: str) -> str | None:
+def _check_inputs(model: str, files) -> None:
+    """The model source and the data files exist: checked before anything is loaded."""
     path = Path(model).expanduser()
     looks_local = model.startswith((".", "/", "~")) or model.endswith(".gguf") or model.count("/") > 1
     if looks_local and not path.exists():
-        return f"model {model} does not exist"
+        raise ValueError(f"model {model} does not exist")
     if path.is_dir() and not (path / "config.json").is_file():
-        return f"model folder {model} has no config.json"
-    return None
-
-
-def _write_json(path: str, data: dict) -> None:
-    from ..io import write_json  # torch-heavy: imported when used, so --help stays fast
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, data)
+        raise ValueError(f"model folder {model} has no config.json")
+    for f in files:
+        if not Path(f).is_file():
+            raise ValueError(f"data file {f} does not exist")
 
 
 def _log(msg: str) -> None:
     print(f"[hispec-probe] {msg}", file=sys.stderr, flush=True)
+
+
+def _fail(msg: str) -> int:
+    print(f"hispec-probe: error: {msg}", file=sys.stderr)
+    return 2
 
 
 # ---------------------------------------------------------------------------------------------------- --eval-heads
@@ -207,38 +208,6 @@ def _explicit_options(argv, dests) -> set[str]:
     return {k for k, v in vars(p.parse_args(argv)).items() if v is not _UNSET}
 
 
-def _checkpoint_entry(model: str) -> dict | None:
-    """The 'hispec' entry of a local checkpoint folder's config.json, checked without loading anything; None for a
-    Hub id (checked when it is loaded). Raises ProbeError / CheckpointError for anything that is no checkpoint."""
-    from ..model import HEADS_FILE, HispecConfig, validate_exits
-    from ..probe import ProbeError
-
-    path = Path(model).expanduser()
-    if model.endswith(".gguf"):
-        raise ProbeError(f"{model} is a GGUF base model, not a hispec checkpoint; --eval-heads needs a checkpoint "
-                         "folder (EarlyExitModel.save / hispec-export); to probe the plain model drop --eval-heads")
-    if path.exists() and not path.is_dir():
-        raise ProbeError(f"{model} is a file, not a hispec checkpoint folder")
-    if not path.is_dir():
-        return None
-    try:
-        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ProbeError(f"{path / 'config.json'} is not valid JSON ({e})") from None
-    if not isinstance(data, dict) or "hispec" not in data:
-        raise ProbeError(f"{model} is not a hispec checkpoint: its config.json has no 'hispec' entry (a plain model). "
-                         "--eval-heads evaluates the heads of a checkpoint saved by EarlyExitModel.save or "
-                         "hispec-export; to probe a plain model drop --eval-heads and pass --data")
-    entry = data["hispec"]
-    hconf = HispecConfig.from_dict(entry)
-    if not (path / HEADS_FILE).is_file():
-        raise ProbeError(f"{model} has no {HEADS_FILE}: not a complete hispec checkpoint")
-    text = data.get("text_config", data) if "num_hidden_layers" not in data else data
-    if text.get("num_hidden_layers"):
-        validate_exits(hconf.draft_layer, hconf.verify_layer, int(text["num_hidden_layers"]))
-    return entry
-
-
 def _eval_heads_problem(args, explicit: set[str]) -> str | None:
     given = [f"--{k.replace('_', '-')}" for k in EVAL_HEADS_REFUSED if k in explicit]
     if given:
@@ -250,274 +219,176 @@ def _eval_heads_problem(args, explicit: set[str]) -> str | None:
     return None
 
 
-def _check_inputs(probe, model: str, files) -> None:
-    """The model source and the data files exist (ProbeError otherwise): checked before anything is loaded."""
-    problem = _check_model_path(model)
+def _checkpoint_entry(model: str) -> dict | None:
+    """The 'hispec' entry of a local checkpoint folder's config.json, checked without loading anything; None for a
+    Hub id (checked when it is loaded). Raises ValueError for anything that is no checkpoint."""
+    from ..model import HEADS_FILE, HispecConfig, validate_exits  # torch-heavy: imported when a run starts
+
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        raise ValueError(f"{model} is a GGUF base model, not a hispec checkpoint; --eval-heads needs a checkpoint "
+                         "folder (EarlyExitModel.save / hispec-export); to probe the plain model drop --eval-heads")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{model} is a file, not a hispec checkpoint folder")
+    if not path.is_dir():
+        return None
+    try:
+        data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(data, dict) or "hispec" not in data:
+        raise ValueError(f"{model} is not a hispec checkpoint: its config.json has no 'hispec' entry (a plain model). "
+                         "--eval-heads evaluates the heads of a checkpoint saved by EarlyExitModel.save or "
+                         "hispec-export; to probe a plain model drop --eval-heads and pass --data")
+    hconf = HispecConfig.from_dict(data["hispec"])
+    if not (path / HEADS_FILE).is_file():
+        raise ValueError(f"{model} has no {HEADS_FILE}: not a complete hispec checkpoint")
+    text = data if "num_hidden_layers" in data else data.get("text_config", data)
+    if text.get("num_hidden_layers"):
+        validate_exits(hconf.draft_layer, hconf.verify_layer, int(text["num_hidden_layers"]))
+    return data["hispec"]
+
+
+# ---------------------------------------------------------------------------------------------------- run
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    explicit = _explicit_options(argv, vars(args)) if args.eval_heads else set()
+    if not args.eval_heads and not args.data:
+        parser.error("the following arguments are required: --data (or --eval-heads to evaluate a checkpoint's "
+                     "own heads on --eval-data)")
+    problem = (_eval_heads_problem(args, explicit) if args.eval_heads else None) or _check_args(args)
     if problem:
-        raise probe.ProbeError(problem)
-    for f in files:
-        if not Path(f).is_file():
-            raise probe.ProbeError(f"data file {f} does not exist")
+        return _fail(problem)
+    try:
+        return _run(args, explicit, time.perf_counter())
+    except (ValueError, OSError) as e:  # bad input (ProbeError, DataError, ConfigError are ValueErrors)
+        return _fail(str(e))
 
 
-def _read_all(probe, files, raw_text: bool) -> list:
-    return [it for f in files for it in probe.read_items(f, raw_text)]
-
-
-def _torch_setup(args) -> tuple[bool, str]:
-    """Quiet transformers, apply --threads; (progress, device). torch/transformers are imported here, when a run
-    starts (heavy: `--help` and argument errors stay fast)."""
+def _run(args, explicit: set[str], t_start: float) -> int:
+    # torch-heavy: imported once a run starts, so --help and argument errors stay fast
     import torch
     import transformers
+
+    from .. import probe
+    from ..distill.answers import answer_prompts
+    from ..distill.data import check_training_files
+    from ..distill.features import scored_features
+    from ..distill.items import Acceptor, read_items, select_items, split_items
+    from ..io import dtype_name, parse_dtype, write_json
+    from ..layers import DecoderAdapter
+    from ..model import load, load_base_model, load_tokenizer
+
+    # ---- everything that can be checked without the model
+    dtype = parse_dtype(args.dtype)
+    gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
+    _check_inputs(args.model, [*(args.data or []), *(args.eval_data or [])])
+    if args.eval_heads:
+        entry = _checkpoint_entry(args.model)
+    else:
+        head_types, feature_dtype = probe.parse_head_types(args.head_types), parse_dtype(args.feature_dtype)
+        check_training_files(args.data, args.allow_eval_sets_for_training, advice="use them as --eval-data, or "
+                             "pass --allow-eval-sets-for-training if you really mean it")
+        cfg = _read_config(args.model)
+        if cfg and cfg.get("num_hidden_layers"):
+            _check_against(args, int(cfg["num_hidden_layers"]), cfg.get("hidden_size"), cfg.get("vocab_size"))
+    train_all = [it for f in args.data or [] for it in read_items(f, args.raw_text)]
+    eval_all = [it for f in args.eval_data or [] for it in read_items(f, args.raw_text)]
 
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
-    return not args.no_progress, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _acceptor(probe, tokenizer, args, held_out: bool = False):
-    """`accept(item)` for `probe.select_items`: tokenizes an item once (into `prepared`, by id) and counts the
-    unusable ones in `rejected[0]`."""
-    prepared: dict[int, probe.Prepared] = {}
-    rejected = [0]
-
-    def accept(item):
-        if id(item) not in prepared:
-            p = probe.prepare_item(tokenizer, item, max_prompt_tokens=args.max_prompt_tokens,
-                                   max_seq_len=args.max_seq_len, chat=not args.no_chat, held_out=held_out)
-            if p is None:
-                rejected[0] += 1
-                return False
-            prepared[id(item)] = p
-        return True
-
-    return accept, prepared, rejected
-
-
-def _answer(probe, preps, args, tokenizer, model, gen_dtype, load_copy, seconds: dict, progress: bool):
-    """Answer the prompt items with `model` (or, for another --gen-dtype, with `load_copy(dtype)` loaded only when
-    something is missing from the answer cache); returns (counts, generation dtype name, model fingerprint)."""
-    t0 = time.perf_counter()
-    gen_name = str(gen_dtype or model.dtype).replace("torch.", "")
-    fp = probe.model_fingerprint(model)
-    cache = probe.AnswerCache(None if args.no_cache else args.cache_dir, fp, gen_name)
-    holder = {}
-
-    def get_model():
-        if gen_dtype is None or gen_dtype == model.dtype:
-            return model
-        _log(f"loading a {gen_name} copy for generation")
-        holder["m"] = load_copy(gen_dtype)
-        return holder["m"]
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    counts = probe.answer_prompts(preps, cache, get_model, max_new_tokens=args.max_new_tokens,
-                                  max_seq_len=args.max_seq_len, eos=probe.eos_ids(model, tokenizer), pad_id=pad,
-                                  batch_size=args.gen_batch_size, progress=progress)
-    holder.clear()
-    seconds["generate"] = round(time.perf_counter() - t0, 2)
-    _log(f"answers: {counts['generated']} generated, {counts['cached']} from cache"
-         + (f" ({cache.path})" if cache.path else ""))
-    return counts, gen_name, fp
-
-
-def _main_eval_heads(args, explicit: set[str]) -> int:
-    problem = _eval_heads_problem(args, explicit) or _check_args(args)
-    if problem:
-        print(f"hispec-probe: error: {problem}", file=sys.stderr)
-        return 2
-
-    from .. import probe
-    from ..io import parse_dtype
-
-    t_start = time.perf_counter()
-    try:
-        # ---- everything that can be checked without the model
-        dtype = parse_dtype(args.dtype)
-        gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
-        _check_inputs(probe, args.model, args.eval_data)
-        entry = _checkpoint_entry(args.model)
-        eval_all = _read_all(probe, args.eval_data, args.raw_text)
-    except (probe.ProbeError, ValueError, OSError) as e:
-        print(f"hispec-probe: error: {e}", file=sys.stderr)
-        return 2
-
-    from ..model import load, load_tokenizer
-
-    progress, device = _torch_setup(args)
+    progress, device = not args.no_progress, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     seconds = {}
-    try:
-        tokenizer = load_tokenizer(args.model, revision=args.revision)
-        if tokenizer is None and entry and entry.get("heads_only") and entry.get("base", {}).get("name_or_path"):
-            tokenizer = load_tokenizer(entry["base"]["name_or_path"], entry["base"].get("revision"))
-        if tokenizer is None:
-            raise probe.ProbeError(f"no tokenizer could be loaded for {args.model} (no tokenizer files, or not "
-                                   "reachable); the evaluation tokenizes text data and needs one")
-        accept, prepared, rejected = _acceptor(probe, tokenizer, args, held_out=True)
+    tokenizer = load_tokenizer(args.model, revision=args.revision)
+    if tokenizer is None and args.eval_heads and entry and entry.get("heads_only"):
+        base = entry.get("base", {})
+        tokenizer = load_tokenizer(base["name_or_path"], base.get("revision")) if base.get("name_or_path") else None
+    if tokenizer is None:
+        raise probe.ProbeError(f"no tokenizer could be loaded for {args.model} (no tokenizer files, or not "
+                               "reachable); the probe tokenizes text data and needs one")
 
-        eval_items = probe.select_items(eval_all, args.max_eval_prompts, accept)
-        if not eval_items:
-            raise probe.ProbeError("no usable held-out items in --eval-data (all too long or empty?)")
-        preps = [prepared[id(it)] for it in eval_items]
-        _log(f"{len(eval_items)} held-out items ({rejected[0]} skipped as too long or empty)")
+    # ---- items: chosen round-robin, tokenized once, split by prompt
+    accept = Acceptor(tokenizer, max_prompt_tokens=args.max_prompt_tokens, max_seq_len=args.max_seq_len,
+                      chat=not args.no_chat)
+    overlap, train_items = 0, []
+    if eval_all:
+        eval_keys = {it.key for it in eval_all}
+        overlap = sum(it.key in eval_keys for it in train_all)
+        train_items = select_items([it for it in train_all if it.key not in eval_keys], args.max_prompts, accept)
+        eval_items = select_items(eval_all, args.max_eval_prompts, accept)
+    else:
+        train_items, eval_items = split_items(select_items(train_all, args.max_prompts, accept), args.eval_fraction,
+                                              args.seed)
+        if args.max_eval_prompts:
+            eval_items = select_items(eval_items, args.max_eval_prompts)
+    if not eval_items:
+        raise probe.ProbeError("no usable held-out items (all too long or empty?); add --eval-data or more data")
+    if not args.eval_heads and not train_items and (any(h != "shared" for h in head_types)
+                                                    or args.draft_vocab_sizes or args.train_sizes):
+        raise probe.ProbeError("no usable training items (all too long or empty?); trainable head types, "
+                               "--draft-vocab-sizes and --train-sizes need training data")
+    preps = accept.take(train_items, False) + accept.take(eval_items, True)
+    _log(f"{len(train_items)} training items, {len(eval_items)} held-out items ({accept.rejected} skipped as too "
+         f"long or empty, {overlap} training items dropped as also held out)")
 
-        # ---- the checkpoint
-        _log(f"loading checkpoint {args.model} ({args.dtype}, {device})")
-        model = load(args.model, dtype=dtype, device=device, revision=args.revision)
-        hc = model.hispec_config
-        gamma = args.gamma if "gamma" in explicit else hc.gamma
-        base = model.base
-
-        # ---- answers, by the base model
-        def load_copy(dt):
-            return load(args.model, dtype=dt, device=device, revision=args.revision).base
-
-        counts, gen_name, fp = _answer(probe, preps, args, tokenizer, base, gen_dtype, load_copy, seconds, progress)
-        sequences = [s for p in preps for s in p.sequences]
-        for s in sequences:
-            s.held_out = True
-        if not any(s.n_scored for s in sequences):
-            raise probe.ProbeError("no held-out sequence has anything to score")
-
-        # ---- the heads
-        ad = model.adapter
-        sizes = {"eval_items": len(eval_items), "eval_sequences": len(sequences),
-                 "eval_tokens": sum(s.n_scored for s in sequences), "generated": counts["generated"],
-                 "cached": counts["cached"], "skipped": rejected[0],
-                 "categories": len({s.category for s in sequences if s.n_scored})}
-        _log(f"{sizes['eval_tokens']:,} held-out positions; evaluating the {hc.head_type} heads at layers "
-             f"{hc.draft_layer} (draft) and {hc.verify_layer} (verify)")
-        model_info = {"name": Path(str(args.model)).name or str(args.model), "path": str(args.model),
-                      "checkpoint": True, "base": hc.base.get("name_or_path"), "num_layers": ad.num_layers,
-                      "hidden_size": ad.hidden_size, "vocab_size": ad.vocab_size,
-                      "dtype": str(base.dtype).replace("torch.", ""), "gen_dtype": gen_name, "device": device,
-                      "fingerprint": fp[:16], "draft_layer": hc.draft_layer, "verify_layer": hc.verify_layer,
-                      "head_type": hc.head_type, "checkpoint_gamma": hc.gamma}
-        config = {"gamma_from": "--gamma" if "gamma" in explicit else "checkpoint",
-                  "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len, "chat": not args.no_chat,
-                  "batch_tokens": args.feature_batch_tokens}
-        result = probe.evaluate_exit_heads(model, sequences, gamma=gamma, batch_tokens=args.feature_batch_tokens,
-                                           model_info=model_info, sizes=sizes, seconds=seconds, config=config,
-                                           progress=progress)
-    except (probe.ProbeError, ValueError, FileNotFoundError, OSError) as e:
-        print(f"hispec-probe: error: {e}", file=sys.stderr)
-        return 2
-    result.seconds["total"] = round(time.perf_counter() - t_start, 2)
-    print(probe.format_eval_table(result), flush=True)
-    if args.json_out:
-        _write_json(args.json_out, result.as_dict(full=True))
-    print(json.dumps(result.as_dict()), flush=True)
-    return 0
-
-
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # ---- the model, its answers to the prompt items
+    _log(f"loading {args.model} ({args.dtype}, {device})")
     if args.eval_heads:
-        return _main_eval_heads(args, _explicit_options(argv, vars(args)))
-    if not args.data:
-        parser.error("the following arguments are required: --data (or --eval-heads to evaluate a checkpoint's "
-                     "own heads on --eval-data)")
-    problem = _check_args(args)
-    if problem:
-        parser.error(problem)
-
-    from .. import probe
-    from ..io import parse_dtype
-
-    t_start = time.perf_counter()
-    try:
-        # ---- everything that can be checked without the model
-        head_types = probe.parse_head_types(args.head_types)
-        dtype, feature_dtype = parse_dtype(args.dtype), parse_dtype(args.feature_dtype)
-        gen_dtype = parse_dtype(args.gen_dtype) if args.gen_dtype else dtype
-        _check_inputs(probe, args.model, [*args.data, *(args.eval_data or [])])
-        probe.check_training_files(args.data, args.allow_eval_sets_for_training)
-        cfg = _read_config(args.model)
-        if cfg and cfg.get("num_hidden_layers"):
-            _check_against(args, int(cfg["num_hidden_layers"]), cfg.get("hidden_size"), cfg.get("vocab_size"))
-        train_all = _read_all(probe, args.data, args.raw_text)
-        eval_all = _read_all(probe, args.eval_data or [], args.raw_text)
-    except (probe.ProbeError, ValueError, OSError) as e:
-        print(f"hispec-probe: error: {e}", file=sys.stderr)
-        return 2
-
-    import torch  # heavy: imported once a run starts
-
-    from ..layers import DecoderAdapter
-    from ..model import load_base_model, load_tokenizer
-
-    progress, device = _torch_setup(args)
-    seconds = {}
-    try:
-        tokenizer = load_tokenizer(args.model, revision=args.revision)
-        if tokenizer is None:
-            raise probe.ProbeError(f"no tokenizer could be loaded from {args.model} (no tokenizer files, or not "
-                                   "reachable); the probe tokenizes text data and needs one")
-        accept, prepared, rejected = _acceptor(probe, tokenizer, args)
-
-        overlap = 0
-        if eval_all:
-            eval_keys = {it.key for it in eval_all}
-            overlap = sum(it.key in eval_keys for it in train_all)
-            train_all = [it for it in train_all if it.key not in eval_keys]
-            train_items = probe.select_items(train_all, args.max_prompts, accept)
-            eval_items = probe.select_items(eval_all, args.max_eval_prompts, accept)
-        else:
-            picked = probe.select_items(train_all, args.max_prompts, accept)
-            train_items, eval_items = probe.split_items(picked, args.eval_fraction, args.seed)
-            if args.max_eval_prompts:
-                eval_items = probe.select_items(eval_items, args.max_eval_prompts)
-        if not eval_items:
-            raise probe.ProbeError("no usable held-out items (all too long or empty?); add --eval-data or more data")
-        if not train_items and (any(h != "shared" for h in head_types) or args.draft_vocab_sizes
-                                or args.train_sizes):
-            raise probe.ProbeError("no usable training items (all too long or empty?); trainable head types, "
-                                   "--draft-vocab-sizes and --train-sizes need training data")
-        preps = []
-        for items, held in ((train_items, False), (eval_items, True)):
-            for it in items:
-                p = prepared[id(it)]
-                p.held_out = held
-                for s in p.sequences:
-                    s.held_out = held
-                preps.append(p)
-        _log(f"{len(train_items)} training items, {len(eval_items)} held-out items "
-             f"({rejected[0]} skipped as too long or empty, {overlap} training items dropped as also held out)")
-
-        # ---- the model
-        _log(f"loading {args.model} ({args.dtype}, {device})")
-        model = load_base_model(args.model, dtype=dtype, device=device, revision=args.revision)
-        adapter = DecoderAdapter(model)
+        model = load(args.model, dtype=dtype, device=device, revision=args.revision)
+        base, adapter, hc = model.base, model.adapter, model.hispec_config
+    else:
+        base = load_base_model(args.model, dtype=dtype, device=device, revision=args.revision)
+        adapter = DecoderAdapter(base)
         _check_against(args, adapter.num_layers, adapter.hidden_size, adapter.vocab_size)
         layers = probe.parse_layers(args.layers, adapter.num_layers)
         size_layers = probe.parse_layers(args.train_size_layers, adapter.num_layers) if args.train_size_layers \
             else None
+    t0 = time.perf_counter()
+    answered = answer_prompts(preps, base, tokenizer, max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
+                              cache_dir=None if args.no_cache else args.cache_dir, gen_dtype=gen_dtype,
+                              batch_size=args.gen_batch_size, show_progress=progress)
+    seconds["generate"] = round(time.perf_counter() - t0, 2)
+    _log(f"answers: {answered['generated']} generated, {answered['cached']} from cache"
+         + (f" ({answered['cache']})" if answered["cache"] else ""))
+    sequences = [s for p in preps for s in p.sequences]
+    if not any(s.held_out for s in sequences):
+        raise probe.ProbeError("no held-out sequence has anything to score")
+    held = [s for s in sequences if s.held_out]
+    sizes = {"train_items": len(train_items), "eval_items": len(eval_items),
+             "train_sequences": len(sequences) - len(held), "eval_sequences": len(held),
+             "train_tokens": sum(s.n_scored for s in sequences) - sum(s.n_scored for s in held),
+             "eval_tokens": sum(s.n_scored for s in held), "generated": answered["generated"],
+             "cached": answered["cached"], "skipped": accept.rejected, "overlap_dropped": overlap,
+             "categories": len({s.category for s in held if s.n_scored})}
+    model_info = {"name": Path(str(args.model)).name or str(args.model), "path": str(args.model),
+                  "num_layers": adapter.num_layers, "hidden_size": adapter.hidden_size,
+                  "vocab_size": adapter.vocab_size, "dtype": dtype_name(base.dtype), "gen_dtype": answered["gen_dtype"],
+                  "device": device, "fingerprint": answered["fingerprint"][:16]}
 
-        # ---- answers
-        counts, gen_name, fp = _answer(probe, preps, args, tokenizer, model, gen_dtype,
-                                       lambda dt: load_base_model(args.model, dtype=dt, device=device,
-                                                                  revision=args.revision),
-                                       seconds, progress)
-        sequences = [s for p in preps for s in p.sequences]
-        if not any(s.held_out for s in sequences):
-            raise probe.ProbeError("no held-out sequence has anything to score")
-
-        # ---- features
+    if args.eval_heads:  # ---- the checkpoint's own heads
+        for k in ("train_items", "train_sequences", "train_tokens", "overlap_dropped"):
+            sizes.pop(k)
+        gamma = args.gamma if "gamma" in explicit else hc.gamma
+        _log(f"{sizes['eval_tokens']:,} held-out positions; evaluating the {hc.head_type} heads at layers "
+             f"{hc.draft_layer} (draft) and {hc.verify_layer} (verify)")
+        model_info.update(checkpoint=True, base=hc.base.get("name_or_path"), draft_layer=hc.draft_layer,
+                          verify_layer=hc.verify_layer, head_type=hc.head_type, checkpoint_gamma=hc.gamma)
+        config = {"gamma_from": "--gamma" if "gamma" in explicit else "checkpoint",
+                  "max_new_tokens": args.max_new_tokens, "max_seq_len": args.max_seq_len, "chat": not args.no_chat,
+                  "batch_tokens": args.feature_batch_tokens}
+        result = probe.evaluate_exit_heads(model, held, gamma=gamma, batch_tokens=args.feature_batch_tokens,
+                                           model_info=model_info, sizes=sizes, seconds=seconds, config=config)
+        result["seconds"]["total"] = round(time.perf_counter() - t_start, 2)
+        print(probe.format_eval_table(result), flush=True)
+        out = full = probe.rounded(result)
+    else:  # ---- the probe: features once, then heads of every type at every layer
         t0 = time.perf_counter()
-        feats = probe.extract_features(adapter, sequences, sorted(set(layers) | set(size_layers or [])),
-                                       top_k=args.top_k, batch_tokens=args.feature_batch_tokens,
-                                       feature_dtype=feature_dtype or torch.bfloat16, progress=progress)
+        feats = scored_features(adapter, sequences, sorted(set(layers) | set(size_layers or [])), k=args.top_k,
+                                batch_tokens=args.feature_batch_tokens,
+                                feature_dtype=feature_dtype or torch.bfloat16, progress=progress)
         seconds["features"] = round(time.perf_counter() - t0, 2)
-        sizes = {
-            "train_items": len(train_items), "eval_items": len(eval_items),
-            "train_sequences": sum(not s.held_out for s in sequences),
-            "eval_sequences": sum(s.held_out for s in sequences),
-            "train_tokens": int((~feats.held_out).sum()), "eval_tokens": int(feats.held_out.sum()),
-            "generated": counts["generated"], "cached": counts["cached"], "skipped": rejected[0],
-            "overlap_dropped": overlap, "categories": len({s.category for s in sequences if s.held_out}),
-        }
         _log(f"{sizes['train_tokens']:,} training and {sizes['eval_tokens']:,} held-out positions; "
              f"probing layers {layers} with {', '.join(head_types)}")
         config = probe.ProbeConfig(layers=layers, head_types=head_types, steps=args.steps, lr=args.lr,
@@ -525,23 +396,18 @@ def main(argv=None) -> int:
                                    gamma=args.gamma, draft_vocab_sizes=list(args.draft_vocab_sizes or []),
                                    train_sizes=list(args.train_sizes or []), train_size_layers=size_layers,
                                    seed=args.seed, feature_dtype=feature_dtype or torch.bfloat16)
-        model_info = {"name": Path(str(args.model)).name or str(args.model), "path": str(args.model),
-                      "num_layers": adapter.num_layers, "hidden_size": adapter.hidden_size,
-                      "vocab_size": adapter.vocab_size, "dtype": str(model.dtype).replace("torch.", ""),
-                      "gen_dtype": gen_name, "device": device, "fingerprint": fp[:16]}
         torch.manual_seed(args.seed)
         result = probe.run_probe(adapter, feats, config, model_info=model_info, sizes=sizes, seconds=seconds,
                                  progress=progress)
-    except (probe.ProbeError, ValueError, FileNotFoundError, OSError) as e:
-        print(f"hispec-probe: error: {e}", file=sys.stderr)
-        return 2
-    result.seconds["total"] = round(time.perf_counter() - t_start, 2)
-    print(probe.format_table(result), flush=True)
-    if args.plot:
-        _log(f"wrote {probe.plot(result, args.plot)}")
+        result.seconds["total"] = round(time.perf_counter() - t_start, 2)
+        print(probe.format_table(result), flush=True)
+        if args.plot:
+            _log(f"wrote {probe.plot(result, args.plot)}")
+        out, full = result.as_dict(), result.as_dict(full=True)
     if args.json_out:
-        _write_json(args.json_out, result.as_dict(full=True))
-    print(json.dumps(result.as_dict()), flush=True)
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.json_out, full)
+    print(json.dumps(out), flush=True)
     return 0
 
 

@@ -16,6 +16,11 @@ is appended to `out_dir/part-rank{rank}.jsonl` and flushed, so a killed run resu
 "finished"}`. Prompts with the same id are answered once. Not deterministic across different batchings when
 sampling (each batch draws from a generator seeded by the batch's first prompt id and `seed`).
 
+Token answers (`hispec-probe`, evaluations): `answer_prompts(prepared, model, tokenizer, ...)` answers the prompt
+items of `hispec.distill.items` greedily as token ids (no decode / re-tokenize round trip), through the same
+batching loop (`hispec.distill.generate.answer_batches`); `AnswerCache` keeps them on disk keyed by
+`model_fingerprint(model)` + generation dtype + the prompt's token ids, so reruns generate nothing.
+
 `gen_dtype` (auto, fp32, bf16, fp16) runs generation in another dtype than the backbone was loaded in (bf16
 decoding is ~2x faster than fp32 on this CPU and standard on GPUs) while training keeps the backbone's dtype:
 `generation_dtype(model, dtype)` casts the parameters for the duration of a `with` block and then puts the very
@@ -24,23 +29,24 @@ same original tensors back (bit-identical; peak memory = original + cast copy). 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from transformers import HfArgumentParser
 
 from hispec.distill.args import DataArguments, GenerationArguments, ModelArguments
 from hispec.distill.data import DataError, expand_path, load_examples, prompt_id, prompt_of, render_chat
-from hispec.distill.generate import generate_rows
-from hispec.io import parse_dtype
+from hispec.distill.generate import answer_batches
+from hispec.distill.items import Prepared, Sequence
+from hispec.io import dtype_name, parse_dtype
 from hispec.model import load_base_model, load_tokenizer
-from hispec.prompts import eos_ids
+from hispec.prompts import eos_ids, pad_id_of
 
 
 @contextmanager
@@ -111,32 +117,123 @@ def generate_responses(model, tokenizer, prompts: list[dict], out_dir, gen: Gene
     texts = {p["id"]: render_chat(tokenizer, p["messages"], add_generation_prompt=True) for p in todo}
     prompt_ids = {i: list(tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in texts.items()}
     todo = [p for p in todo if len(prompt_ids[p["id"]]) <= gen.gen_max_prompt_tokens]
-    todo.sort(key=lambda p: -len(prompt_ids[p["id"]]))  # similar lengths share a batch: little padding
-    eos = eos_ids(tokenizer, model.generation_config)
     sample = (gen.gen_temperature, gen.gen_top_p) if gen.gen_do_sample else None
-    bar = tqdm(total=len(todo), desc=f"self-distill answers (rank {rank})", disable=not show_progress)
-    written, new_tokens, t0 = 0, 0, time.time()
+    written = 0
     with generation_dtype(model, gen.gen_dtype), \
             open_for_append(out_dir / f"part-rank{rank}.jsonl") as f:
-        for a in range(0, len(todo), gen.gen_batch_size):
-            batch = todo[a : a + gen.gen_batch_size]
-            seed_b = seed * 1_000_003 + int(batch[0]["id"][:8], 16) if sample else None
-            rows = generate_rows(model, [prompt_ids[p["id"]] for p in batch], pad_id=tokenizer.pad_token_id,
-                                 eos=eos, max_new_tokens=gen.gen_max_new_tokens, sample=sample, seed=seed_b,
-                                 keep_eos=False)
-            for p, (keep, finished) in zip(batch, rows):
+        batches = answer_batches(
+            model, [prompt_ids[p["id"]] for p in todo], batch_size=gen.gen_batch_size, pad_id=tokenizer.pad_token_id,
+            eos=eos_ids(tokenizer, model.generation_config), max_new_tokens=gen.gen_max_new_tokens, sample=sample,
+            seed=(lambda i: seed * 1_000_003 + int(todo[i]["id"][:8], 16)) if sample else None, keep_eos=False,
+            desc=f"self-distill answers (rank {rank})", show_progress=show_progress)
+        for idx, rows in batches:
+            for i, (keep, finished) in zip(idx, rows):
+                p = todo[i]
                 answer = tokenizer.decode(keep, skip_special_tokens=True)
                 rec = {"id": p["id"], "messages": p["messages"] + [{"role": "assistant", "content": answer}],
                        "response_tokens": len(keep), "finished": finished}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                new_tokens += len(keep)
             f.flush()
             os.fsync(f.fileno())
-            written += len(batch)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.time() - t0, 1e-9):.0f}")
-    bar.close()
+            written += len(idx)
     return written
+
+
+# ---------------------------------------------------------------------------------------------------- token answers
+def model_fingerprint(model) -> str:
+    """A hash of the config and a sample of every weight (bf16-rounded, so fp32 and bf16 loads agree). A hispec
+    checkpoint's base (whose config.json carries the "hispec" entry) hashes like the plain base model, so both
+    share cached answers."""
+    h = hashlib.sha256()
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "hispec", "torch_dtype", "dtype", "transformers_version",
+              "_attn_implementation_autoset", "use_cache"):
+        cfg.pop(k, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in sorted(model.state_dict().items()):
+            if not t.is_floating_point():
+                continue
+            h.update(f"{name}:{tuple(t.shape)}".encode())
+            flat = t.detach().reshape(-1)
+            sample = torch.cat([flat[:128], flat[-128:]]).to(torch.bfloat16).float().cpu()
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+class AnswerCache:
+    """Greedy answers as token ids on disk: `<dir>/<model fingerprint[:16]>-<gen dtype>.jsonl`, one JSON line per
+    answer `{"prompt": sha256 of the prompt ids, "max_new_tokens", "finished", "tokens"}`, appended batch by batch.
+    An answer cached for a larger `max_new_tokens` (or one that ended at EOS) serves any smaller request."""
+
+    def __init__(self, cache_dir: str | os.PathLike | None, model_key: str, gen_dtype: str):
+        self.path = None if cache_dir is None else Path(cache_dir).expanduser() / f"{model_key[:16]}-{gen_dtype}.jsonl"
+        self.rows: dict[str, dict] = {}
+        if self.path is not None and self.path.exists():
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a torn last line of a killed run
+                    old = self.rows.get(row["prompt"])
+                    if old is None or row["finished"] or row["max_new_tokens"] > old["max_new_tokens"]:
+                        self.rows[row["prompt"]] = row
+
+    @staticmethod
+    def key(prompt_ids: list[int]) -> str:
+        return hashlib.sha256(json.dumps(list(map(int, prompt_ids))).encode("utf-8")).hexdigest()
+
+    def get(self, prompt_ids: list[int], max_new_tokens: int) -> list[int] | None:
+        row = self.rows.get(self.key(prompt_ids))
+        if row is None or not (row["finished"] or row["max_new_tokens"] >= max_new_tokens):
+            return None
+        return row["tokens"][:max_new_tokens]
+
+    def put_many(self, entries: list[tuple[list[int], list[int], bool, int]]) -> None:
+        rows = [{"prompt": self.key(p), "max_new_tokens": m, "finished": fin, "tokens": list(map(int, t))}
+                for p, t, fin, m in entries]
+        for r in rows:
+            self.rows[r["prompt"]] = r
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open_for_append(self.path) as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def answer_prompts(prepared: list[Prepared], model, tokenizer, *, max_new_tokens: int, max_seq_len: int,
+                   cache_dir=None, gen_dtype=None, batch_size: int = 16, show_progress: bool = False) -> dict:
+    """Fill `sequences` of the prompt items (`hispec.distill.items.Prepared`) with greedy answers as token ids: from
+    the `AnswerCache` in `cache_dir` (None: no cache) first, the rest generated by `model` (in `gen_dtype`,
+    `generation_dtype`) and cached batch by batch. Returns counts (generated, cached, empty), the generation dtype's
+    name, the model's fingerprint and the cache file."""
+    gen_name = dtype_name(parse_dtype(gen_dtype) or model.dtype)
+    fingerprint = model_fingerprint(model)
+    cache = AnswerCache(cache_dir, fingerprint, gen_name)
+    todo = [p for p in prepared if p.answer_needed and cache.get(p.prompt_ids, max_new_tokens) is None]
+    todo_prompts = list({tuple(p.prompt_ids): p.prompt_ids for p in todo}.values())
+    if todo_prompts:
+        with generation_dtype(model, gen_dtype):
+            for idx, rows in answer_batches(model, todo_prompts, batch_size=batch_size, pad_id=pad_id_of(tokenizer),
+                                            eos=eos_ids(tokenizer, model.generation_config),
+                                            max_new_tokens=max_new_tokens, show_progress=show_progress):
+                cache.put_many([(todo_prompts[i], toks, fin, max_new_tokens) for i, (toks, fin) in zip(idx, rows)])
+    empty = 0
+    for p in prepared:
+        if not p.answer_needed:
+            continue
+        answer = cache.get(p.prompt_ids, max_new_tokens)[: max(0, max_seq_len - len(p.prompt_ids))]
+        if not answer:
+            empty += 1
+            continue
+        n = len(p.prompt_ids)
+        p.sequences = [Sequence(p.prompt_ids + list(answer), [(n, n + len(answer))], p.item.category, p.held_out)]
+    return {"generated": len(todo_prompts), "cached": sum(p.answer_needed for p in prepared) - len(todo),
+            "empty": empty, "gen_dtype": gen_name, "fingerprint": fingerprint, "cache": cache.path}
 
 
 def prompts_from(ds) -> list[dict]:
@@ -150,8 +247,6 @@ def prompts_from(ds) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from transformers import HfArgumentParser
-
     @dataclass
     class Out:
         output_dir: str = field(default="runs/self_distill", metadata={"help": "Folder of the answer jsonl files."})

@@ -204,6 +204,9 @@ class TrainArguments:
     )
     lr_scheduler_type: str = field(default="cosine", metadata={"help": f"LR schedule: {', '.join(LR_SCHEDULES)}."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear LR warm-up, in optimizer steps."})
+    min_lr_ratio: float = field(
+        default=0.0, metadata={"help": "Linear / cosine decay ends at this share of the peak LR (0 = decays to 0)."}
+    )
     temperature: float = field(default=1.0, metadata={"help": "Distillation temperature T (loss scaled by T^2)."})
     ce_weight: float = field(
         default=0.0, metadata={"help": "Weight of next-token cross-entropy mixed into the KL, in [0, 1]."}

@@ -16,6 +16,11 @@ Contract:
 - `drop_overlap(rows, held_out)` removes rows whose first user turn (or text) equals a held-out prompt's, after
   normalising case and whitespace: the same file may feed both prompts and plain text, and held-out prompts must
   never be trained on.
+- `check_training_files(paths)`: Spec-Bench / MT-Bench files (by name) are evaluation data, never training data
+  (the trainer and the probe both refuse them). `split_off_eval(ds, fraction, max_eval)`: the seeded-order held-out
+  split of a Dataset.
+- `chat_ids(tokenizer, messages, add_generation_prompt, chat=True)`: token ids of a chat (the probe's prompts and
+  chats), the same template / plain layout as `render_chat`.
 - `prompt_of(row)` gives the chat a model should answer for self-distillation (a text row becomes one user turn;
   a trailing assistant turn is dropped so the model writes its own).
 - `tokenize(ds, tokenizer, max_seq_length, packing, loss_on="all")`: chats are rendered with the tokenizer's chat
@@ -49,10 +54,26 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
          "model": "assistant", "chatgpt": "assistant", "system": "system"}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 LOSS_ON = ("all", "assistant")
+EVAL_SET_MARKERS = ("spec_bench", "spec-bench", "specbench", "mt_bench", "mt-bench", "mtbench")
 
 
 class DataError(ValueError):
     """The training data cannot be used; the message says which file/column and what to do."""
+
+
+def is_eval_set_file(path: str | os.PathLike) -> bool:
+    """Whether a file's name says it is an evaluation benchmark (Spec-Bench / MT-Bench)."""
+    name = Path(path).name.lower()
+    return any(m in name for m in EVAL_SET_MARKERS)
+
+
+def check_training_files(paths, allow_eval_sets: bool = False, advice: str = "never train on them") -> None:
+    """Refuse Spec-Bench / MT-Bench files as training data (design.md §8) unless explicitly allowed: the one rule
+    of `train/heads.py` and `hispec-probe`."""
+    bad = [str(p) for p in paths if is_eval_set_file(p)]
+    if bad and not allow_eval_sets:
+        raise DataError(f"{', '.join(bad)} look like evaluation benchmarks (Spec-Bench / MT-Bench): evaluation sets "
+                        f"are not training data, training heads on them would leak the benchmark; {advice}")
 
 
 def expand_path(p: str | None) -> str | None:
@@ -111,16 +132,26 @@ def _load_one(source: str, cfg, *, hub: bool = False):
             f"{source} has neither messages_column '{cfg.messages_column}' nor text_column '{cfg.text_column}'; "
             f"its columns are {cols}. Set --messages_column or --text_column."
         )
+    return _convert(ds, source, col, kind, cfg.max_samples_per_file,
+                    keep=lambda r: bool(r["messages"]) or bool(r["text"].strip()))
+
+
+def _convert(ds, source: str, col: str, kind: str, cap: int | None, keep, answer_col: str | None = None):
+    """A source's rows -> {messages, text} rows (`kind`: messages, text, or pair = `col` + `answer_col` as a user +
+    assistant chat), those `keep` accepts, at most `cap` of them (a seeded choice)."""
 
     def convert(row):
         if kind == "messages":
             return {"messages": normalize_messages(row[col], where=source), "text": ""}
+        if kind == "pair" and row[answer_col] is not None and str(row[answer_col]).strip():
+            return {"messages": [{"role": "user", "content": str(row[col] or "")},
+                                 {"role": "assistant", "content": str(row[answer_col])}], "text": ""}
         return {"messages": [], "text": str(row[col] or "")}
 
-    ds = ds.map(convert, remove_columns=cols, desc=f"reading {Path(source).name}")
-    ds = ds.filter(lambda r: bool(r["messages"]) or bool(r["text"].strip()))
-    if cfg.max_samples_per_file and len(ds) > cfg.max_samples_per_file:
-        ds = ds.shuffle(seed=0).select(range(cfg.max_samples_per_file))
+    ds = ds.map(convert, remove_columns=ds.column_names, desc=f"reading {Path(source).name}")
+    ds = ds.filter(keep)
+    if cap and len(ds) > cap:
+        ds = ds.shuffle(seed=0).select(range(cap))
     return ds
 
 
@@ -128,6 +159,15 @@ def _concat(parts):
     from datasets import concatenate_datasets
 
     return concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def split_off_eval(ds, fraction: float, max_eval: int | None = None):
+    """-> (train, held out): the first ~`fraction` of the rows (at most `max_eval`, at least 1, never all) held out;
+    `(ds, None)` when `fraction` is 0 or there is a single row."""
+    if not fraction > 0 or len(ds) <= 1:
+        return ds, None
+    n_eval = min(max(1, int(round(fraction * len(ds)))), max_eval or len(ds), len(ds) - 1)
+    return ds.select(range(n_eval, len(ds))), ds.select(range(n_eval))
 
 
 def load_examples(cfg, seed: int, require_train: bool = True):
@@ -148,14 +188,8 @@ def load_examples(cfg, seed: int, require_train: bool = True):
         raise DataError(f"the training data is empty (sources: {[s for s, _ in sources]})")
     if cfg.eval_file:
         ev = _concat([_load_one(expand_path(f), cfg) for f in cfg.eval_file])
-    elif cfg.eval_fraction > 0 and len(train) > 1:
-        n_eval = max(1, int(round(cfg.eval_fraction * len(train))))
-        if cfg.max_eval_samples:
-            n_eval = min(n_eval, cfg.max_eval_samples)
-        n_eval = min(n_eval, len(train) - 1)
-        ev, train = train.select(range(n_eval)), train.select(range(n_eval, len(train)))
     else:
-        ev = None
+        train, ev = split_off_eval(train, cfg.eval_fraction, cfg.max_eval_samples)
     if cfg.max_train_samples and len(train) > cfg.max_train_samples:
         train = train.select(range(cfg.max_train_samples))
     if ev is not None and cfg.max_eval_samples and len(ev) > cfg.max_eval_samples:
@@ -182,21 +216,9 @@ def _load_plain_one(source: str, cfg):
             f"plain-text file {source} has neither messages_column '{cfg.messages_column}' nor text_column "
             f"'{cfg.text_column}' (nor 'text'); its columns are {cols}. Set --messages_column or --text_column."
         )
-
-    def convert(row):
-        if kind == "messages":
-            return {"messages": normalize_messages(row[col], where=source), "text": ""}
-        if kind == "pair" and row[answer_col] is not None and str(row[answer_col]).strip():
-            return {"messages": [{"role": "user", "content": str(row[col] or "")},
-                                 {"role": "assistant", "content": str(row[answer_col])}], "text": ""}
-        return {"messages": [], "text": str(row[col] or "")}
-
-    ds = ds.map(convert, remove_columns=cols, desc=f"reading {Path(source).name}")
-    ds = ds.filter(lambda r: any(m["content"].strip() for m in r["messages"]) or bool(r["text"].strip()))
-    cap = getattr(cfg, "plain_text_max_samples_per_file", None)
-    if cap and len(ds) > cap:
-        ds = ds.shuffle(seed=0).select(range(cap))
-    return ds
+    return _convert(ds, source, col, kind, getattr(cfg, "plain_text_max_samples_per_file", None),
+                    keep=lambda r: any(m["content"].strip() for m in r["messages"]) or bool(r["text"].strip()),
+                    answer_col=answer_col)
 
 
 def load_plain_text(cfg, seed: int):
@@ -239,12 +261,29 @@ def prompt_id(messages: list[dict]) -> str:
     return hashlib.sha1(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def _plain_chat(messages: list[dict], add_generation_prompt: bool) -> str:
+    """The layout of a chat for tokenizers without a chat template: 'role: content' lines."""
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if add_generation_prompt else "")
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """Messages -> text with the tokenizer's chat template, or a plain layout when it has none."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant: " if add_generation_prompt else "")
+    return _plain_chat(messages, add_generation_prompt)
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, chat: bool = True) -> list[int]:
+    """Token ids of a chat through the tokenizer's chat template; with `chat=False` or no template, the plain layout
+    tokenized with the tokenizer's special tokens."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            return_dict=False)
+        out = out["input_ids"] if hasattr(out, "keys") else out
+        out = out.tolist() if hasattr(out, "tolist") else out
+        return list(out[0] if out and isinstance(out[0], list) else out)
+    return list(tokenizer(_plain_chat(messages, add_generation_prompt))["input_ids"])
 
 
 def assistant_loss_mask(rendered: str, messages: list[dict], offsets) -> list[bool]:

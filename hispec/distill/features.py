@@ -38,6 +38,10 @@ Contract:
 - `CachedSequences(out_dir, layers)` is a torch `Dataset` of sequences read lazily (memory-mapped) from the
   shards; `CachedCollator()` concatenates a batch into flat `[N, ...]` tensors plus `labels` (next token within
   the sequence, -100 at its end), `row` (index in the batch of each token) and `offsets`.
+- `frozen_batches(adapter, rows, layers, batch_tokens)` is the one frozen pass over many sequences (longest first,
+  right-padded batches of at most `batch_tokens` padded tokens): the cache builder, the probe's `scored_features`
+  (this content in memory, for the scored positions of `hispec.distill.items.Sequence`s only, laid out by
+  `ScoredLayout`) and checkpoint evaluation (`hispec.distill.metrics.exit_head_predictions`) run on it.
 - The manifest: `format`, `version`, `model` (identity + weight fingerprint + backbone dtype), `layers`, `k`,
   `hidden_dtype`, `hidden_size`, `vocab_size`, `teacher_temperature` (1.0), `num_sequences`, `num_tokens`,
   `num_loss_tokens`, `shards` (file, sequences, tokens, loss_tokens, fingerprint), `fingerprint` (all data),
@@ -49,6 +53,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -191,9 +196,33 @@ def _project_topk(adapter, final_normed: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 @torch.no_grad()
+def frozen_batches(adapter, rows: list[list[int]], layers, batch_tokens: int, pad_id: int = 0):
+    """The frozen pass over many sequences (the cache, the probe, checkpoint evaluation): longest first, as many
+    right-padded rows a batch as fit `batch_tokens` padded tokens (at least one). Yields per batch `(row indices,
+    valid [B, T] bool, {layer: residual after it [B, T, H]}, final normed [B, T, H])` on the adapter's device."""
+    lengths = [len(r) for r in rows]
+    order = sorted(range(len(rows)), key=lambda j: -lengths[j])
+    device = adapter.device
+    i = 0
+    while i < len(order):
+        T = lengths[order[i]]
+        batch = order[i : i + max(1, batch_tokens // T)]
+        i += len(batch)
+        ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+        valid = torch.zeros(len(batch), T, dtype=torch.bool)
+        for r, j in enumerate(batch):
+            ids[r, : lengths[j]] = torch.as_tensor(rows[j], dtype=torch.long)
+            valid[r, : lengths[j]] = True
+        pos = torch.arange(T).expand(len(batch), T)
+        ids, valid, pos = ids.to(device), valid.to(device), pos.to(device)
+        states, final = exit_states(adapter, ids, pos, valid, tuple(layers))
+        yield batch, valid, states, final
+
+
+@torch.no_grad()
 def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
                  progress=None) -> dict[str, torch.Tensor]:
-    """One shard's tensors (see the module docstring); sequences run in length-sorted, right-padded batches."""
+    """One shard's tensors (see the module docstring), through `frozen_batches`."""
     lengths = [len(ids) for ids, _ in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -201,22 +230,8 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
     hidden = {layer: torch.empty(n, H, dtype=hidden_dtype) for layer in layers}
     top_ids = torch.empty(n, k, dtype=torch.int32)
     top_lp = torch.empty(n, k, dtype=torch.float32)
-    order = sorted(range(len(rows)), key=lambda j: -lengths[j])
-    device = adapter.device
-    i = 0
-    while i < len(order):
-        T = lengths[order[i]]
-        B = max(1, batch_tokens // T)
-        batch = order[i : i + B]
-        i += len(batch)
-        ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-        valid = torch.zeros(len(batch), T, dtype=torch.bool)
-        for r, j in enumerate(batch):
-            ids[r, : lengths[j]] = torch.as_tensor(rows[j][0], dtype=torch.long)
-            valid[r, : lengths[j]] = True
-        pos = torch.arange(T).expand(len(batch), T)
-        ids, valid, pos = ids.to(device), valid.to(device), pos.to(device)
-        states, final = exit_states(adapter, ids, pos, valid, tuple(layers))
+    for batch, valid, states, final in frozen_batches(adapter, [ids for ids, _ in rows], layers, batch_tokens,
+                                                      pad_id):
         flat = valid.reshape(-1)
         t_ids, t_lp = _project_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
         dest = torch.cat([torch.arange(int(offsets[j]), int(offsets[j + 1])) for j in batch])
@@ -446,3 +461,91 @@ class CachedCollator:
         out["row"] = torch.repeat_interleave(torch.arange(len(items)), lengths)
         out["offsets"] = offsets
         return out
+
+
+# ---------------------------------------------------------------------------------------------------- in memory
+@dataclass
+class ScoredLayout:
+    """Where the scored positions of `hispec.distill.items.Sequence`s go in flat `[N]` arrays (sequence order,
+    answers contiguous): per position the token that follows, its answer (`segment`), sequence, category index
+    (into `categories`) and held-out flag."""
+
+    offsets: list[int]
+    n: int
+    categories: list[str]
+    next_token: torch.Tensor
+    segment: torch.Tensor
+    sequence: torch.Tensor
+    category: torch.Tensor
+    held_out: torch.Tensor
+
+    @classmethod
+    def of(cls, sequences) -> ScoredLayout:
+        cats = sorted({s.category for s in sequences})
+        cat_index = {c: i for i, c in enumerate(cats)}
+        offsets = [0]
+        for s in sequences:
+            offsets.append(offsets[-1] + s.n_scored)
+        n = offsets.pop()
+        out = cls(offsets, n, cats, *(torch.empty(n, dtype=torch.long) for _ in range(4)),
+                  torch.empty(n, dtype=torch.bool))
+        seg = 0
+        for i, s in enumerate(sequences):
+            o = offsets[i]
+            for a, b in s.spans:
+                out.next_token[o : o + b - a] = torch.tensor(s.ids[a:b])
+                out.segment[o : o + b - a] = seg
+                o, seg = o + b - a, seg + 1
+            out.sequence[offsets[i] : o], out.category[offsets[i] : o] = i, cat_index[s.category]
+            out.held_out[offsets[i] : o] = s.held_out
+        return out
+
+
+def scored_batches(adapter, sequences, layers, offsets, batch_tokens: int):
+    """`frozen_batches` over `Sequence`s, with the scored positions picked out: yields `(valid, rows, cols, dest,
+    states, final)` where position `(rows[i], cols[i])` of the batch (on device; position p - 1 predicts token p
+    of a span) goes to flat index `dest[i]` (CPU) and `final` is the final normed features there."""
+    for batch, valid, states, final in frozen_batches(adapter, [s.ids for s in sequences], layers, batch_tokens):
+        rows, cols, dest = [], [], []
+        for r, i in enumerate(batch):
+            pos = [p - 1 for a, b in sequences[i].spans for p in range(a, b)]
+            rows += [r] * len(pos)
+            cols += pos
+            dest += range(offsets[i], offsets[i] + len(pos))
+        if dest:
+            rows, cols = torch.tensor(rows, device=valid.device), torch.tensor(cols, device=valid.device)
+            yield valid, rows, cols, torch.tensor(dest), states, final[rows, cols]
+
+
+@dataclass
+class Features:
+    """Per scored position (N of them, `layout`): exit hidden states and the teacher's targets, in memory."""
+
+    hidden: dict[int, torch.Tensor]  # layer -> [N, H] (feature dtype, CPU)
+    t_ids: torch.Tensor  # [N, k] long: the teacher's top-k token ids, descending (t_ids[:, 0]: its argmax)
+    t_logp: torch.Tensor  # [N, k] float32: their log-probabilities
+    layout: ScoredLayout
+
+    @property
+    def t_top(self) -> torch.Tensor:
+        return self.t_ids[:, 0]
+
+
+@torch.no_grad()
+def scored_features(adapter, sequences, layers, *, k: int = 64, batch_tokens: int = 4096,
+                    feature_dtype=torch.bfloat16, progress: bool = False) -> Features:
+    """The feature cache's content in memory for the scored positions of `sequences` only: one frozen pass, the
+    residual after each of `layers` and the final layer's top-k (`_project_topk`)."""
+    lay = ScoredLayout.of(sequences)
+    k = min(k, adapter.vocab_size)
+    hidden = {layer: torch.empty(lay.n, adapter.hidden_size, dtype=feature_dtype) for layer in layers}
+    t_ids, t_logp = torch.empty(lay.n, k, dtype=torch.long), torch.empty(lay.n, k, dtype=torch.float32)
+    bar = tqdm(total=lay.n, desc="frozen forward", unit="tok", disable=not progress, dynamic_ncols=True)
+    for _, rows, cols, dest, states, final in scored_batches(adapter, sequences, layers, lay.offsets, batch_tokens):
+        for layer, h in states.items():
+            hidden[layer][dest] = h[rows, cols].to("cpu", feature_dtype)
+        ids, logp = _project_topk(adapter, final, k)
+        t_ids[dest], t_logp[dest] = ids.long().cpu(), logp.cpu()
+        bar.update(len(dest))
+    bar.close()
+    return Features(hidden, t_ids, t_logp, lay)

@@ -173,22 +173,27 @@ def distill_loss(
     need_grad = torch.is_grad_enabled() and any(s.requires_grad for s in students.values())
     use_ckpt = need_grad and n > chunk_size
 
-    sums = torch.zeros(len(names), 2, dtype=torch.float32, device=teacher.device)
+    sums, kl_tok, tops, hits = _over_chunks(_chunk_stats, (project, names, temperature),
+                                            (teacher, labels, *(students[k] for k in names)), n, chunk_size, use_ckpt,
+                                            topk_agree)
+    return _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, teacher.device,
+                     hits if topk_agree else None)
+
+
+def _over_chunks(stats, lead: tuple, tensors: tuple, n: int, chunk_size: int, use_ckpt: bool, topk_agree: int):
+    """`stats(*lead, *chunk of each of tensors)` over chunks of `chunk_size` rows (under activation checkpointing
+    when `use_ckpt`) -> (summed [E, 2] sums, and per chunk the kl / argmax / top-k hit tensors), for both losses."""
+    sums = torch.zeros(len(lead[1]), 2, dtype=torch.float32, device=tensors[0].device)
     kl_tok, tops, hits = [], [], []
     kw = {"topk_agree": topk_agree} if topk_agree else {}
     for a in range(0, n, chunk_size):
-        b = min(n, a + chunk_size)
-        args = (teacher[a:b], labels[a:b], *(students[k][a:b] for k in names))
-        if use_ckpt:
-            s, k, t, h = checkpoint(_chunk_stats, project, names, temperature, *args, use_reentrant=False, **kw)
-        else:
-            s, k, t, h = _chunk_stats(project, names, temperature, *args, **kw)
+        args = (*lead, *(x[a : min(n, a + chunk_size)] for x in tensors))
+        s, k, t, h = checkpoint(stats, *args, use_reentrant=False, **kw) if use_ckpt else stats(*args, **kw)
         sums = sums + s
         kl_tok.append(k)
         tops.append(t)
         hits.append(h)
-    return _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pairs, per_token, teacher.device,
-                     hits if topk_agree else None)
+    return sums, kl_tok, tops, hits
 
 
 def bucket_log_mass(topk_logprobs: torch.Tensor) -> torch.Tensor:
@@ -264,6 +269,13 @@ class TopkBucketKL(torch.autograd.Function):
         return grad, None, None, None
 
 
+def topk_kl(student_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-row top-k + bucket KL `[n]` (fp32) of full-vocabulary student logits `[n, V]` against a top-k teacher
+    (`teacher_topk`): `TopkBucketKL` with the bucket of `bucket_log_mass`, differentiable in the logits."""
+    return TopkBucketKL.apply(student_logits.float(), topk_ids, topk_logprobs.float(),
+                              bucket_log_mass(topk_logprobs))[0]
+
+
 def _topk_chunk_stats(project, names, with_ce_grad, ids, logp, log_r, labels, *students, topk_agree=0):
     """One chunk of `topk_distill_loss`: like `_chunk_stats` with a top-k + bucket teacher.
 
@@ -329,21 +341,9 @@ def topk_distill_loss(
     need_grad = torch.is_grad_enabled() and any(s.requires_grad for s in students.values())
     use_ckpt = need_grad and n > chunk_size
 
-    sums = torch.zeros(len(names), 2, dtype=torch.float32, device=device)
-    kl_tok, tops, hits = [], [], []
-    kw = {"topk_agree": topk_agree} if topk_agree else {}
-    for a in range(0, n, chunk_size):
-        b = min(n, a + chunk_size)
-        args = (ids[a:b], logp[a:b], log_r[a:b], labels[a:b], *(students[k][a:b] for k in names))
-        if use_ckpt:
-            s, k, t, h = checkpoint(_topk_chunk_stats, project, names, ce_weight > 0, *args, use_reentrant=False,
-                                    **kw)
-        else:
-            s, k, t, h = _topk_chunk_stats(project, names, ce_weight > 0, *args, **kw)
-        sums = sums + s
-        kl_tok.append(k)
-        tops.append(t)
-        hits.append(h)
+    sums, kl_tok, tops, hits = _over_chunks(_topk_chunk_stats, (project, names, ce_weight > 0),
+                                            (ids, logp, log_r, labels, *(students[k] for k in names)), n, chunk_size,
+                                            use_ckpt, topk_agree)
     return _assemble(names, sums, kl_tok, tops, labels, n, 1.0, ce_weight, pairs, per_token, device,
                      hits if topk_agree else None)
 
@@ -374,11 +374,3 @@ def _assemble(names, sums, kl_tok, tops, labels, n, temperature, ce_weight, pair
         agree_tokens=agree_tok if per_token else None,
         topk_tokens=({k: hit[i] for i, k in enumerate(names)} if hit is not None else None),
     )
-
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """Tokens committed per verification round with gamma drafts of i.i.d. acceptance alpha:
-    (1 - alpha^(gamma+1)) / (1 - alpha), gamma + 1 at alpha = 1."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
+from transformers import HfArgumentParser
 
 from hispec.distill.answers import generation_dtype, open_for_append
 from hispec.distill.args import SelfPromptArguments
@@ -434,8 +435,6 @@ def ensure_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int = 
 
 
 def main(argv=None) -> int:
-    from transformers import HfArgumentParser
-
     @dataclass
     class Run:
         model_name_or_path: str = field(default=None, metadata={"help": "Base model: Hub id, folder or .gguf."})

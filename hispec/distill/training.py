@@ -1,7 +1,10 @@
-"""The head training step, its schedule and the agreement metrics, shared by `train/heads.py` (and any other loop
-that trains exit heads by distillation).
+"""The head training step, its schedule and the evaluation, shared by `train/heads.py` (through
+`hispec.distill.trainer`) and `hispec-probe` (and any other loop that trains exit heads by distillation).
 
-- `lr_at`: warm-up then constant / linear / cosine learning rate per optimizer step;
+- `lr_at`: warm-up then constant / linear / cosine learning rate per optimizer step (decaying to `min_lr_ratio` of
+  the peak); `take_step`: one optimizer step at that rate (the trainer's loop and `fit_head` share it);
+- `fit_head` / `exit_logits`: one head trained in memory on precomputed exit states against a top-k teacher
+  (`hispec-probe`: no accelerate, no data loader);
 - `context_settings` / `context_ranges`: a context head's settings and the frontier distances training draws
   (`draw_distances`, `distance_sampler`, `fixed_distances`, seeded per step so resume is exact);
 - `HeadsForTraining`: the one module `accelerate.prepare` sees (both heads; the frozen backbone stays outside);
@@ -21,25 +24,76 @@ import torch
 
 from hispec.distill.args import EVAL_DISTANCES, ConfigError, ModelArguments, TrainArguments
 from hispec.distill.features import FeatureCacheError
-from hispec.distill.losses import (
-    distill_loss, exit_states, expected_tokens_per_round, next_token_labels, topk_distill_loss,
-)
+from hispec.distill.losses import distill_loss, exit_states, next_token_labels, topk_distill_loss, topk_kl
+from hispec.distill.metrics import expected_tokens_per_round
 from hispec.io import parse_dtype
 from hispec.layers import positions_from_mask
 
 
 # ---------------------------------------------------------------------------------------------------- schedule
 def lr_at(step: int, total: int, cfg: TrainArguments) -> float:
-    """Learning rate for optimizer step `step` (0-based) of `total`: warm-up, then constant / linear / cosine."""
+    """Learning rate for optimizer step `step` (0-based) of `total`: warm-up, then constant / linear / cosine,
+    decaying from the peak to `min_lr_ratio` of it."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     if cfg.lr_scheduler_type == "constant":
         return cfg.learning_rate
     span = max(1, total - cfg.warmup_steps)
     frac = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio
     if cfg.lr_scheduler_type == "linear":
-        return cfg.learning_rate * (1.0 - frac)
-    return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
+        return cfg.learning_rate * (floor + (1.0 - floor) * (1.0 - frac))
+    return cfg.learning_rate * (floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def take_step(optimizer, loss, lr: float, *, backward=None, clip=None) -> None:
+    """One optimizer step at learning rate `lr`: backward (`backward(loss)`, e.g. accelerate's; default
+    `loss.backward()`), `clip()` when given, step, zero the gradients. The trainer's loop and `fit_head` share it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    (backward or torch.Tensor.backward)(loss)
+    if clip is not None:
+        clip()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def exit_logits(head, adapter, feats: torch.Tensor) -> torch.Tensor:
+    """One exit head on exit hidden states `[n, H]` (any dtype / device) -> full-vocabulary logits `[n, V]` (fp32)
+    through the frozen lm_head; a `shared` head runs in the backbone's dtype, trained ones in fp32."""
+    dtype = adapter.dtype if head.head_type == "shared" else torch.float32
+    return _project_fn(adapter)(head(feats.to(adapter.device, dtype))).float()
+
+
+def fit_head(head, adapter, feats: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, *,
+             steps: int, schedule: TrainArguments, batch_tokens: int, seed: int = 0, on_step=None) -> list[float]:
+    """Train one exit head in memory (no accelerate; `hispec-probe`) on precomputed exit states and a top-k
+    teacher: AdamW (`schedule.weight_decay`) on the mean top-k + bucket KL (`topk_kl`), the learning rate of
+    `lr_at(step, steps, schedule)`, `take_step`. Batches are consecutive `batch_tokens` slices of seeded
+    permutations of the N positions (a new one each epoch). Returns the per-step losses."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    if not params or steps <= 0:
+        return []
+    opt = torch.optim.AdamW(params, lr=schedule.learning_rate, weight_decay=schedule.weight_decay)
+    g = torch.Generator().manual_seed(seed)
+    n = feats.shape[0]
+    bt = min(batch_tokens, n)
+    perm, ptr = torch.randperm(n, generator=g), 0
+    losses = []
+    head.train()
+    for step in range(steps):
+        if ptr + bt > n:
+            perm, ptr = torch.randperm(n, generator=g), 0
+        idx = perm[ptr : ptr + bt]
+        ptr += bt
+        logits = exit_logits(head, adapter, feats[idx])
+        loss = topk_kl(logits, topk_ids[idx].to(logits.device), topk_logprobs[idx].to(logits.device)).mean()
+        take_step(opt, loss, lr_at(step, steps, schedule))
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    head.eval()
+    return losses
 
 
 # ---------------------------------------------------------------------------------------------------- context heads
