@@ -126,6 +126,7 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.accepting = True
+        self._deadline: float | None = None
 
     # ------------------------------------------------------------------ requests
     def _levels(self, req: Request, with_gammas: bool = True):
@@ -396,6 +397,8 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self._deadline is not None and time.perf_counter() > self._deadline and self.in_flight:
+                self._fail_all("the server shut down before the request finished")
             try:
                 worked = self.step()
             except Exception as e:  # a bug or an OOM: fail what is in flight, clean up, keep serving
@@ -418,11 +421,19 @@ class Engine:
             self._finish(h, "error", why)
         self.queue.clear()
 
+    def begin_drain(self, timeout: float) -> None:
+        """Stop accepting requests; those in flight may finish for `timeout` seconds, then the engine thread ends
+        them with an error (thread-safe: the server calls this from its signal handler)."""
+        self.accepting = False
+        deadline = time.perf_counter() + timeout
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+        self._wake.set()
+
     def shutdown(self, drain_timeout: float = 30.0) -> None:
         """Stop accepting requests, let those in flight finish for up to `drain_timeout` seconds, then end the
         rest with an error and stop the thread. Nothing is left waiting."""
-        self.accepting = False
-        deadline = time.perf_counter() + drain_timeout
+        self.begin_drain(drain_timeout)
+        deadline = time.perf_counter() + drain_timeout + 5
         while self._thread is not None and self.in_flight and time.perf_counter() < deadline:
             time.sleep(0.02)
         self._stop.set()
