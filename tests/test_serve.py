@@ -201,3 +201,27 @@ def test_long_prompt_prefill_in_chunks_while_others_decode():
     assert len(hs.tokens) > before and not hl.tokens  # the short row decodes while the long prompt is prefilled
     engine.run_until_idle()
     assert hs.tokens == _solo(model, short) and hl.tokens == _solo(model, long)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_staggered_greedy_equals_solo_on_smollm2(demo_model_dir):
+    """SmolLM2-135M fp32, Spec-Bench prompts with mixed lengths, ar / self-spec / hispec rows in flight together,
+    arriving while others decode; each output equals that prompt decoded alone."""
+    from pathlib import Path
+
+    from hispec.prompts import load_prompts
+
+    model = hispec.EarlyExitModel.from_base(demo_model_dir, head_type="linear", dtype="fp32")
+    path = Path(__file__).resolve().parents[1] / "data" / "eval" / "spec_bench_question.jsonl"
+    texts = [p.text for p in load_prompts(path, num=6)]
+    tok = model.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for t in texts]
+    reqs = [Request(p, max_new_tokens=n, strategy=s)
+            for p, n, s in zip(prompts, (40, 12, 32, 24, 16, 36), STRATEGIES * 2)]
+    engine = Engine(model, kv_blocks=256, block_size=16, prefill_chunk=64)
+    handles = _staggered(engine, reqs, [0, 1, 1, 3, 6, 10])
+    for req, h in zip(reqs, handles):
+        assert h.tokens == _solo(model, req), req.strategy
+    assert engine.kv_blocks_used() == 0
