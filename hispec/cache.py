@@ -10,8 +10,8 @@ that one row rejected while another kept it stays in place as a masked-out *hole
 built from `(valid, position)`, never from slot indices, so holes, left padding and sliding windows are exact.
 
 Rollback (`truncate`) invalidates a row's slots from a position on and physically drops trailing slots that no row
-still uses. A paged block-table cache can replace this class behind the same four methods (`update`,
-`seq_length`, `slot_meta`, `truncate`) without touching the decoders.
+still uses. `hispec.serve.paged.PagedKVCache` is a paged block-table store behind the same methods (continuous
+batching; rollback frees blocks instead of leaving holes); `extend` appends rows here too.
 """
 
 from __future__ import annotations
