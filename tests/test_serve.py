@@ -225,3 +225,24 @@ def test_staggered_greedy_equals_solo_on_smollm2(demo_model_dir):
     for req, h in zip(reqs, handles):
         assert h.tokens == _solo(model, req), req.strategy
     assert engine.kv_blocks_used() == 0
+
+
+@pytest.mark.parametrize("strategy", ["self-spec", "hispec"])
+def test_sampling_rows_joining_a_running_batch_keep_the_exact_distribution(strategy):
+    """Sampled requests arrive while others are mid-round (their probability rows and caches are merged into the
+    running batch); the joint law of their first 3 tokens is the model's (chi-square against exact enumeration)."""
+    from test_decoding import WARPS, _chi2_pvalue, _exact_joint, _tiny_vocab_model
+
+    model = _tiny_vocab_model()
+    prompt, n, warp = [1, 3, 2], 3, WARPS[1]
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    engine = Engine(model, kv_blocks=4096, block_size=4, max_batch=48)
+    handles, draws = [], 3000
+    while len(handles) < draws or engine.in_flight:
+        for _ in range(min(24, draws - len(handles))):
+            handles.append(engine.submit(Request(prompt, max_new_tokens=n, strategy=strategy, do_sample=True,
+                                                 gammas=[2] if strategy == "self-spec" else [2, 2], **warp)))
+        engine.step()
+    pvalue = _chi2_pvalue([tuple(h.tokens) for h in handles], outcomes, probs)
+    assert pvalue > 1e-4, pvalue
+    assert engine.stats().levels and engine.kv_blocks_used() == 0
