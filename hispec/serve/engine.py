@@ -265,8 +265,7 @@ class Engine:
             worked = True
             if run.prefill(chunk=self.prefill_chunk):
                 self.prefilling.remove((key, run))
-                if run.commit():
-                    pass
+                run.commit()  # the first token may already finish a row (max_tokens 1, EOS)
                 self._emit(run)
                 if not len(run.seq):
                     self._fold(run)
