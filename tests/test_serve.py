@@ -246,3 +246,17 @@ def test_sampling_rows_joining_a_running_batch_keep_the_exact_distribution(strat
     pvalue = _chi2_pvalue([tuple(h.tokens) for h in handles], outcomes, probs)
     assert pvalue > 1e-4, pvalue
     assert engine.stats().levels and engine.kv_blocks_used() == 0
+
+
+def test_auto_rows_join_and_leave_with_their_own_policy_state():
+    from test_auto import _calibrated
+
+    model = _wrap(tiny_model("llama"))
+    _calibrated(model, acceptance=lambda k: 0.6, match=0.5, realistic=True)
+    reqs = [Request(p, max_new_tokens=n, strategy=s) for p, n, s in
+            zip(_prompts(6, seed=9), (20, 6, 15, 25, 9, 12), ("auto", "auto", "hispec", "auto", "ar", "auto"))]
+    engine = Engine(model, kv_blocks=128, block_size=4)
+    for req, h in zip(reqs, _staggered(engine, reqs, [0, 0, 1, 2, 4, 5])):
+        solo = model.generate(torch.tensor([req.prompt]), max_new_tokens=req.max_new_tokens, strategy=req.strategy)
+        assert h.tokens == solo.new_tokens[0], req.strategy
+    assert engine.kv_blocks_used() == 0
