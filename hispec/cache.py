@@ -10,8 +10,8 @@ that one row rejected while another kept it stays in place as a masked-out *hole
 built from `(valid, position)`, never from slot indices, so holes, left padding and sliding windows are exact.
 
 Rollback (`truncate`) invalidates a row's slots from a position on and physically drops trailing slots that no row
-still uses. A paged block-table cache can replace this class behind the same four methods (`update`,
-`seq_length`, `slot_meta`, `truncate`) without touching the decoders.
+still uses. `hispec.serve.paged.PagedKVCache` is a paged block-table store behind the same methods (continuous
+batching; rollback frees blocks instead of leaving holes); `extend` appends rows here too.
 """
 
 from __future__ import annotations
@@ -126,6 +126,43 @@ class KVCache:
             v[:, :, from_slot : from_slot + A] = gv
             self._length[i] = from_slot + A
         self.set_slot_meta(start, end, new_valid, new_pos)
+
+    def extend(self, other: "KVCache") -> None:
+        """Append `other`'s rows (continuous batching admits prefilled requests this way). Each layer is padded to
+        the longer of the two physical lengths with invalid slots, which `(valid, position)` masks ignore, so every
+        row attends exactly as before; layers that shared slot metadata keep sharing it."""
+        if other.num_layers != self.num_layers:
+            raise ValueError(f"extend: caches have {self.num_layers} and {other.num_layers} layers")
+        B1, B2 = self.batch_size, other.batch_size
+        shared: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        metas_before = (list(self._valid), list(other._valid))  # keeps the ids below unique while layers change
+        for i in range(self.num_layers):
+            n = max(self._length[i], other._length[i])
+            k1, k2 = self._keys[i], other._keys[i]
+            if k1 is not None or k2 is not None:
+                ref = k1 if k1 is not None else k2
+                parts_k, parts_v = [], []
+                for c, B in ((self, B1), (other, B2)):
+                    k, v, m = c._keys[i], c._values[i], c._length[i]
+                    pk = ref.new_zeros(B, ref.shape[1], n, ref.shape[-1])
+                    pv = torch.zeros_like(pk)
+                    if k is not None and m:
+                        pk[..., :m, :] = k[..., :m, :]
+                        pv[..., :m, :] = c._values[i][..., :m, :]
+                    parts_k.append(pk)
+                    parts_v.append(pv)
+                self._keys[i], self._values[i] = torch.cat(parts_k), torch.cat(parts_v)
+            key = (id(metas_before[0][i]), id(metas_before[1][i]))
+            if key not in shared:
+                metas = []
+                for c, B in ((self, B1), (other, B2)):
+                    v, p = c.slot_meta(i)
+                    pad = n - v.shape[1]
+                    metas.append((torch.cat([v, v.new_zeros(B, pad)], 1), torch.cat([p, p.new_zeros(B, pad)], 1)))
+                shared[key] = (torch.cat([metas[0][0], metas[1][0]]), torch.cat([metas[0][1], metas[1][1]]))
+            self._valid[i], self._pos[i] = shared[key]
+            self._length[i] = n
+        self.batch_size = B1 + B2
 
     def reorder_batch(self, index: torch.Tensor) -> None:
         """Keep rows `index` (e.g. drop finished rows)."""

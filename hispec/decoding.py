@@ -257,7 +257,7 @@ class _Run:
     """State and steps of one batched generation call."""
 
     def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer,
-                 ngram: NgramConfig, policy=None, tree=None, verification: str = "token"):
+                 ngram: NgramConfig, policy=None, tree=None, verification: str = "token", cache=None, ids=None):
         self.model, self.adapter, self.levels = model, model.adapter, levels
         self.tree = tree  # a hispec.tree.TreeSpec: level 0 drafts trees (hispec/tree.py), else chains
         self.K = len(levels) - 1
@@ -288,13 +288,16 @@ class _Run:
         self.fin = (torch.zeros(B, cap, H, dtype=self.adapter.dtype, device=dev)
                     if any(lv.kind == "exit" and model.heads[lv.head].needs_context for lv in levels) else None)
         # `layer` heads keep their own KV as extra cache layers, advanced and rolled back with their exit's range
-        self.cache = self.adapter.new_cache(B, extra=model.extra_cache_layers)
+        self.cache = self.adapter.new_cache(B, extra=model.extra_cache_layers) if cache is None else cache
         self.state_heads = [None] * (self.K + 1)
         for j, lv in enumerate(levels[:-1]):
             if lv.kind == "exit" and model.heads[lv.head].stateful:
                 self.state_heads[j] = model.heads[lv.head]
-        self.orig = torch.arange(B, device=dev)
+        # each row's id in `results` (continuous batching gives its request ids; rows leave and join by id)
+        self.orig = torch.arange(B, device=dev) if ids is None else torch.as_tensor(ids, dtype=torch.long, device=dev)
         self.results: dict[int, list[int]] = {}
+        self.row_stop: dict[int, object] = {}  # per-row stop checkers by id (continuous batching), else stop_check
+        self._pre = None  # chunked prefill: each row's final state at its last prompt position
         # Sampling: probability rows of each level (except the top) by position, offset by `base`.
         self.rows: list[torch.Tensor | None] = [None] * self.K
         self.base = lens.clone()
@@ -405,16 +408,29 @@ class _Run:
         return rows.gather(1, idx[..., None].expand(-1, -1, rows.shape[-1]))
 
     # ------------------------------------------------------------------ steps
-    def prefill(self):
+    def prefill(self, chunk: int | None = None) -> bool:
         """All prompt tokens through all layers in one call per range (the same chunking as a plain forward, so
-        low-precision numerics match transformers), then the first new token from the full model."""
+        low-precision numerics match transformers), then the first new token from the full model.
+
+        `chunk` (continuous batching, `hispec.serve`): at most that many prompt positions per row and call, so a
+        long prompt is prefilled over several engine steps while other rows decode; returns True once every row's
+        prompt is in and its first token is picked (always, without `chunk`)."""
         t0 = time.perf_counter()
-        end = self.prompt_len
-        out = None
+        end = self.prompt_len if chunk is None else torch.minimum(self.prompt_len, self.done[0] + chunk)
+        out = start = None
         for j in range(self.K + 1):
-            out, _, _ = self._advance(j, end)
-        feats = out[torch.arange(len(end), device=end.device), end - 1][:, None]  # [B, 1, H]
-        logits = self._logits(self.K, feats)[:, 0]
+            out, start, _ = self._advance(j, end)
+        if out is not None:  # keep the final state at the last prompt position of rows whose prompt just ended
+            rows = torch.arange(len(end), device=end.device)
+            feats = out[rows, (end - 1 - start).clamp(min=0, max=out.shape[1] - 1)]  # [B, H]
+            got = (end == self.prompt_len) & (end > start)
+            self._pre = feats if self._pre is None else torch.where(got[:, None], feats, self._pre)
+        if not bool((self.done[self.K] >= self.prompt_len).all()):
+            self.stats.prefill_seconds += time.perf_counter() - t0
+            return False
+        end = self.prompt_len
+        logits = self._logits(self.K, self._pre[:, None])[:, 0]
+        self._pre = None
         token = sample(logits_to_probs(logits, **self.warp), self.generator) if self.do_sample else logits.argmax(-1)
         self.tok.scatter_(1, end[:, None], token[:, None])
         self.seq = end + 1
@@ -423,6 +439,7 @@ class _Run:
         self.stats.levels[-1].passes += 1
         self.stats.levels[-1].row_passes += len(end)
         self.stats.prefill_seconds += time.perf_counter() - t0
+        return True
 
     def draft_step(self, active: torch.Tensor):
         """Level 0 proposes for the active rows that may still grow: one token (an exit, or the full model for
@@ -579,8 +596,9 @@ class _Run:
                     if cut is not None:
                         del toks[cut + 1 :]
                         finished[b] = True
-                if self.stop_check is not None:
-                    cut = self.stop_check(toks, prev)
+                stop_check = self.row_stop.get(rid, self.stop_check)
+                if stop_check is not None:
+                    cut = stop_check(toks, prev)
                     if cut is not None:
                         del toks[cut:]
                         finished[b] = True
@@ -606,6 +624,51 @@ class _Run:
         self.cache.reorder_batch(idx)
         if self.policy is not None:
             self.policy.keep_rows(idx)
+
+    def drop(self, ids) -> None:
+        """Remove the rows with these ids (cancelled requests); their cache rows go too (a paged cache frees their
+        blocks)."""
+        ids = set(ids)
+        keep = [b for b, rid in enumerate(self.orig.tolist()) if rid not in ids]
+        if len(keep) < len(self.orig):
+            self._keep_rows(torch.tensor(keep, dtype=torch.long, device=self.seq.device))
+
+    def extend(self, other: "_Run") -> None:
+        """Append the rows of `other`, a prefilled run of the same hierarchy and sampling settings whose cache shares
+        this cache's storage: continuous batching admits requests between rounds this way. Per-position buffers are
+        padded to the wider run (each row only reads below its own limit); the caches join with `cache.extend`."""
+        def cat(a, b):
+            if a is None and b is None:
+                return None
+            if a is None or b is None:  # e.g. sampling rows one run has not needed yet
+                ref = a if a is not None else b
+                z = ref.new_zeros((B1 if a is None else B2,) + tuple(ref.shape[1:]))
+                a, b = (z, b) if a is None else (a, z)
+            if a.dim() > 1 and a.shape[1] != b.shape[1]:
+                w = max(a.shape[1], b.shape[1])
+                pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], w - t.shape[1]) + tuple(t.shape[2:]))], 1)  # noqa: E731
+                a, b = pad(a), pad(b)
+            return torch.cat([a, b])
+
+        B1, B2 = len(self.seq), len(other.seq)
+        if [lv.name for lv in self.levels] != [lv.name for lv in other.levels] or self.do_sample != other.do_sample \
+                or self.warp != other.warp or self.verification != other.verification:
+            raise ValueError("extend: runs differ in hierarchy or sampling settings")
+        self.tok, self.seq, self.limit, self.prompt_len = map(
+            cat, (self.tok, self.seq, self.limit, self.prompt_len), (other.tok, other.seq, other.limit, other.prompt_len))
+        self.ver = [None] + [cat(a, b) for a, b in zip(self.ver[1:], other.ver[1:])]
+        self.done = [cat(a, b) for a, b in zip(self.done, other.done)]
+        self.gam = [cat(a, b) for a, b in zip(self.gam, other.gam)]
+        self.exhausted = cat(self.exhausted, other.exhausted)
+        self.hid = [None] + [cat(a, b) for a, b in zip(self.hid[1:], other.hid[1:])]
+        self.fin = cat(self.fin, other.fin)
+        self.rows = [cat(a, b) for a, b in zip(self.rows, other.rows)]
+        self.base, self.orig = cat(self.base, other.base), cat(self.orig, other.orig)
+        self.results.update(other.results)
+        self.row_stop.update(other.row_stop)
+        self.cache.extend(other.cache)
+        if self.policy is not None:
+            self.policy.extend(other.policy)
 
     def run(self):
         self.prefill()
@@ -742,6 +805,11 @@ class _AutoPolicy:
         run.gam = gam
         run.stats.row_rounds += alphas.shape[0]
         run.stats.plain_row_rounds += int((self.lowest == K).sum())
+
+    def extend(self, other: "_AutoPolicy"):
+        self.acc, self.rej, self.hit, self.miss, self.lowest = (
+            torch.cat([a, b]) for a, b in zip((self.acc, self.rej, self.hit, self.miss, self.lowest),
+                                              (other.acc, other.rej, other.hit, other.miss, other.lowest)))
 
     def keep_rows(self, idx: torch.Tensor):
         idx = idx.cpu()

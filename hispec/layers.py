@@ -612,6 +612,8 @@ class DecoderAdapter:
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is out of range for a {self.num_layers}-layer model")
         cache.seq_length(start, end)
+        if hasattr(cache, "begin_pass"):  # a paged cache (hispec.serve.paged) computes its block indices per pass
+            cache.begin_pass(start, end, position_ids, valid)
         types = set(self.layer_types[start:end])
         kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types, allow)
         for i in range(start, end):
@@ -638,6 +640,8 @@ class DecoderAdapter:
             raise ValueError(f"unknown layer type {layer_type!r}")
         if not self.num_layers <= cache_index < cache.num_layers:
             raise ValueError(f"cache index {cache_index} is not an extra slot of this cache ({cache.num_layers} layers)")
+        if hasattr(cache, "begin_pass"):
+            cache.begin_pass(cache_index, cache_index + 1, position_ids, valid)
         kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, cache_index, {layer_type},
                                                         allow)
         hidden = self._call_layer(layer, layer_type, hidden, position_ids, cache, masks, rotary)

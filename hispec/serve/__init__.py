@@ -1,0 +1,7 @@
+"""Serving: continuous batching over the speculative decoder (`engine`), a paged KV store (`paged`) and an
+OpenAI-compatible HTTP server (`server`, needs the `serve` extra: fastapi, uvicorn)."""
+
+from .engine import Engine, EngineError, Handle, Request
+from .paged import KVPoolFull, PagedKVCache, PagedKVStore
+
+__all__ = ["Engine", "EngineError", "Handle", "Request", "KVPoolFull", "PagedKVCache", "PagedKVStore"]
