@@ -125,7 +125,7 @@ def test_heads_never_hold_a_vocab_sized_tensor_and_only_heads_train(head_type):
         "layer": {"norm.weight", "norm.bias", "adapter.weight"}
         | {f"layer.{n}" for n, _ in model.adapter.parts.layers[0].named_parameters()},
         "context": {"norm.weight", "norm.bias", "ctx_kind", "ctx_rel", "ctx_q.weight", "ctx_k.weight", "ctx_v.weight",
-                    "ctx_o.weight", "ctx_up.weight", "ctx_down.weight"}
+                    "ctx_o.weight", "ctx_up.weight", "ctx_down.weight", "ctx_front.weight", "ctx_dist"}
         | {f"ctx_norms.{i}.{n}" for i in range(2) for n in ("weight", "bias")},
     }[head_type]
     for exit_name in ("draft", "verify"):
