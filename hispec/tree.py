@@ -305,21 +305,33 @@ def tree_round(run, spec):
             on[:, sl] = ok[:, sl] & up
             hit = on[:, sl]
             path[:, d - 1] = torch.where(hit.any(1), sl.start + hit.float().argmax(1), -1)
-        cur = torch.full((B,), -1, dtype=torch.long, device=dev)
-        for d in range(D):
-            cur = torch.where(path[:, d] >= 0, path[:, d], cur)
-        bonus = pred[rows, 1 + cur]
+        bonus = pred[rows, 1 + _deepest(path)]
     # ---------------------------------------------------------------- commit the path, roll back the rest
     a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
+    _write_states(run, seq, keep, h_exit, pidx, o, P, pidx, pvalid, ppos)
+    _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
+    _count(st1, a, depth_cap, B, t1)
+
+
+def _deepest(path: torch.Tensor) -> torch.Tensor:
+    """Per row, the node id of the deepest accepted node on `path` `[B, D]` (-1 entries: none there), else -1."""
+    cur = torch.full(path.shape[:1], -1, dtype=torch.long, device=path.device)
+    for d in range(path.shape[1]):
+        cur = torch.where(path[:, d] >= 0, path[:, d], cur)
+    return cur
+
+
+def _write_states(run, seq, keep, h_exit, pidx, o, P, slot, pvalid, ppos):
+    """The per-position buffers of the committed positions: the path's exit states (`h_exit` at node ids `pidx`)
+    and, for context heads, the final states `o` of the pending positions and of the path's nodes (pass slot
+    P + `slot`)."""
     r_, c_ = keep.nonzero(as_tuple=True)
     run.hid[1][r_, seq[r_] + c_] = h_exit[r_, pidx[r_, c_]]
     if run.fin is not None:
         pr, pc = pvalid.nonzero(as_tuple=True)
         run.fin[pr, ppos[pr, pc]] = o[pr, pc]
-        run.fin[r_, seq[r_] + c_] = o[r_, P + pidx[r_, c_]]
-    _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
-    _count(st1, a, depth_cap, B, t1)
+        run.fin[r_, seq[r_] + c_] = o[r_, P + slot[r_, c_]]
 
 
 def _write_path(run, path, ntok, bonus, seq, D):
@@ -588,19 +600,12 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     for d in range(1, D + 1):
         hit = on & (vdep == d)
         path[:, d - 1] = torch.where(hit.any(1), vsel.gather(1, hit.float().argmax(1)[:, None])[:, 0], -1)
-    cur = torch.full((B,), -1, dtype=torch.long, device=dev)
-    for d in range(D):
-        cur = torch.where(path[:, d] >= 0, path[:, d], cur)
+    cur = _deepest(path)
     bonus = pred[rows, torch.where(cur >= 0, 1 + selpos.gather(1, cur.clamp(min=0)[:, None])[:, 0], 0)]
     a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
     idx0 = slot0.gather(1, pidx).clamp(min=0)
     idx1 = selpos.gather(1, pidx).clamp(min=0)
-    r_, c_ = keep.nonzero(as_tuple=True)
-    run.hid[1][r_, seq[r_] + c_] = h_exit[r_, pidx[r_, c_]]
-    if run.fin is not None:
-        pr, pc = pvalid.nonzero(as_tuple=True)
-        run.fin[pr, ppos[pr, pc]] = o[pr, pc]
-        run.fin[r_, seq[r_] + c_] = o[r_, P + idx1[r_, c_]]
+    _write_states(run, seq, keep, h_exit, pidx, o, P, idx1, pvalid, ppos)
     _keep_path(run, cache, head, (a0, a1, L), T0, idx0, idx1, keep, newpos, has_new)
     _count(st1, a, depth_cap, B, t1)
