@@ -610,17 +610,21 @@ class _Run:
             self._keep_rows(torch.tensor(keep, dtype=torch.long, device=committed.device))
         return bool(keep)
 
+    # the per-row state: batch-first tensors, and lists of them (one per level); None entries stay None
+    ROW_TENSORS = ("tok", "seq", "limit", "prompt_len", "exhausted", "fin", "base", "orig")
+    ROW_LISTS = ("ver", "done", "gam", "hid", "rows")
+
+    def _map_rows(self, fn, other: "_Run | None" = None) -> None:
+        """Replace every per-row tensor t by fn(t) (or fn(t, other's t) with `other`): one list of fields for
+        dropping rows and for admitting them."""
+        two = (lambda name: (getattr(self, name), getattr(other, name))) if other is not None else None
+        for name in self.ROW_TENSORS:
+            setattr(self, name, fn(*two(name)) if two else fn(getattr(self, name)))
+        for name in self.ROW_LISTS:
+            setattr(self, name, [fn(*ab) for ab in zip(*two(name))] if two else [fn(t) for t in getattr(self, name)])
+
     def _keep_rows(self, idx: torch.Tensor):
-        sel = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
-        self.tok, self.seq, self.limit, self.prompt_len = map(sel, (self.tok, self.seq, self.limit, self.prompt_len))
-        self.ver = [sel(v) for v in self.ver]
-        self.done = [sel(d) for d in self.done]
-        self.gam = [sel(g) for g in self.gam]
-        self.exhausted = sel(self.exhausted)
-        self.hid = [sel(h) for h in self.hid]
-        self.fin = sel(self.fin)
-        self.rows = [sel(r) for r in self.rows]
-        self.base, self.orig = sel(self.base), sel(self.orig)
+        self._map_rows(lambda t: None if t is None else t.index_select(0, idx))
         self.cache.reorder_batch(idx)
         if self.policy is not None:
             self.policy.keep_rows(idx)
@@ -654,16 +658,7 @@ class _Run:
         if [lv.name for lv in self.levels] != [lv.name for lv in other.levels] or self.do_sample != other.do_sample \
                 or self.warp != other.warp or self.verification != other.verification:
             raise ValueError("extend: runs differ in hierarchy or sampling settings")
-        self.tok, self.seq, self.limit, self.prompt_len = map(
-            cat, (self.tok, self.seq, self.limit, self.prompt_len), (other.tok, other.seq, other.limit, other.prompt_len))
-        self.ver = [None] + [cat(a, b) for a, b in zip(self.ver[1:], other.ver[1:])]
-        self.done = [cat(a, b) for a, b in zip(self.done, other.done)]
-        self.gam = [cat(a, b) for a, b in zip(self.gam, other.gam)]
-        self.exhausted = cat(self.exhausted, other.exhausted)
-        self.hid = [None] + [cat(a, b) for a, b in zip(self.hid[1:], other.hid[1:])]
-        self.fin = cat(self.fin, other.fin)
-        self.rows = [cat(a, b) for a, b in zip(self.rows, other.rows)]
-        self.base, self.orig = cat(self.base, other.base), cat(self.orig, other.orig)
+        self._map_rows(cat, other)
         self.results.update(other.results)
         self.row_stop.update(other.row_stop)
         self.cache.extend(other.cache)
