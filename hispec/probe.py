@@ -316,10 +316,13 @@ def evaluate_exit_heads(model, sequences, *, gamma: int, batch_tokens: int = 409
     t0 = time.perf_counter()
     if not sequences or not any(s.n_scored for s in sequences):
         raise ProbeError("no held-out positions to evaluate on")
-    pred = exit_head_predictions(model, sequences, batch_tokens=batch_tokens)
+    # context heads: top-1 / top-5 at frontier distance 1; tokens per pass with the k-th draft of a round at k
+    pred = exit_head_predictions(model, sequences, batch_tokens=batch_tokens, distances=tuple(range(1, gamma + 1)))
     final, lay = pred["final"], pred["layout"]
     heads = [model.heads[name] for name in EXIT_NAMES]
     agree = {name: pred[f"{name}_top1"] == final for name in EXIT_NAMES}
+    by_d = {name: torch.stack([t1 == final for t1, _ in pred[f"{name}_by_distance"].values()], 1)
+            for name in EXIT_NAMES}  # [N, D]: D = gamma for context heads, else 1
     top1 = [mean(agree[x]) for x in EXIT_NAMES]
     out = {"mode": "eval-heads", "model": model_info or {}, "exits": list(EXIT_NAMES),
            "layers": [int(getattr(model, f"{name}_layer")) for name in EXIT_NAMES],
@@ -328,7 +331,9 @@ def evaluate_exit_heads(model, sequences, *, gamma: int, batch_tokens: int = 409
            "reduced_vocab": [h.vocab is not None for h in heads],
            "vocab_coverage": [coverage(h.vocab.cpu(), final) if h.vocab is not None else 1.0 for h in heads],
            "top1": top1, "top5": [mean(pred[f"{x}_top5"]) for x in EXIT_NAMES],
-           "tokens_per_pass": [tokens_per_pass(agree[x], lay.segment, gamma) for x in EXIT_NAMES],
+           "tokens_per_pass": [tokens_per_pass(by_d[x], lay.segment, gamma) for x in EXIT_NAMES],
+           "top1_by_distance": {x: {str(d): mean(t1 == final) for d, (t1, _) in pred[f"{x}_by_distance"].items()}
+                                for x in EXIT_NAMES if heads[EXIT_NAMES.index(x)].needs_context},
            "iid_tokens_per_pass": [expected_tokens_per_round(a, gamma) for a in top1],
            "gamma": gamma, **hierarchy_figures(pred), "categories": {}}
     for ci, c in enumerate(lay.categories):
@@ -337,7 +342,7 @@ def evaluate_exit_heads(model, sequences, *, gamma: int, batch_tokens: int = 409
             out["categories"][c] = {
                 "tokens": int(sel.sum()), "top1": [mean(agree[x][sel]) for x in EXIT_NAMES],
                 "top5": [mean(pred[f"{x}_top5"][sel]) for x in EXIT_NAMES],
-                "tokens_per_pass": [tokens_per_pass(agree[x][sel], lay.segment[sel], gamma) for x in EXIT_NAMES],
+                "tokens_per_pass": [tokens_per_pass(by_d[x][sel], lay.segment[sel], gamma) for x in EXIT_NAMES],
                 **hierarchy_figures(pred, sel)}
     out.update(sizes=dict(sizes or {}), config=dict(config or {}),
                seconds={**(seconds or {}), "eval": round(time.perf_counter() - t0, 2)})

@@ -41,3 +41,27 @@ def test_oracle_exits_agree_everywhere_and_context_heads_report_each_distance(tm
     # the perturbed context head reads the final states: its agreement depends on the distance
     d = c["agreement"]["draft"]
     assert len({(r["top1"], r["top5"]) for r in d.values()}) > 1
+
+
+def test_answers_are_reused_across_checkpoints_of_one_backbone_and_redone_for_another(tmp_path, capsys,
+                                                                                      monkeypatch):
+    from hispec.model import EarlyExitModel
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    lin = _wrap(tiny_model("llama"), head_type="linear", tokenizer=char_tokenizer())
+    ctx = _perturb(_wrap(tiny_model("llama"), head_type="context", tokenizer=char_tokenizer(),
+                         context={"window": 4, "heads": 2, "head_dim": 8}))
+    other = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", tokenizer=char_tokenizer())
+    folders = [lin.save(tmp_path / "lin"), ctx.save(tmp_path / "ctx"), other.save(tmp_path / "other")]
+    calls = []
+    real = EarlyExitModel.generate
+    monkeypatch.setattr(EarlyExitModel, "generate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    res = _run(capsys, folders[:2], prompts)
+    assert len(calls) == len(PROMPTS)  # the context checkpoint shares the linear one's backbone: answered once
+    first = res["checkpoints"][str(folders[0])]["positions"]
+    assert res["checkpoints"][str(folders[1])]["positions"] == first
+    calls.clear()
+    res = _run(capsys, [folders[0], folders[2]], prompts)
+    assert len(calls) == 2 * len(PROMPTS)  # another backbone does not reproduce the answers: answered afresh
+    assert res["checkpoints"][str(folders[2])]["agreement"]["draft"]["0"] == {"top1": 1.0, "top5": 1.0}

@@ -81,6 +81,13 @@ def test_simulate_rounds_handcrafted():
     agree = torch.tensor([1, 1, 1, 1, 0, 0, 0])
     seg = torch.tensor([0, 0, 0, 0, 1, 1, 1])
     assert metrics.tokens_per_pass(agree, seg, 4) == pytest.approx(7 / 4)  # (4 tokens, 1 pass) + (3, 3)
+    # by frontier distance (a context head): the k-th draft of a round reads column k (the last one beyond)
+    by_d = [[1, 0], [1, 0], [0, 1], [1, 1], [1, 0]]
+    # round at 0: d1 ok, position 1 at d2 fails -> 2 tokens; round at 2: d1 fails -> 1; round at 3: d1 ok, 4 at d2
+    # fails -> cut at the end (2 tokens)
+    assert metrics.simulate_rounds(by_d, 4) == (5, 3)
+    assert metrics.simulate_rounds([[a] for a in [1, 1, 0, 1, 1, 1, 1, 1]], 4) == (8, 2)  # one column: as before
+    assert metrics.tokens_per_pass(torch.tensor(by_d), torch.zeros(5, dtype=torch.long), 4) == pytest.approx(5 / 3)
     assert metrics.expected_tokens_per_round(0.0, 4) == 1.0
     assert metrics.expected_tokens_per_round(1.0, 4) == 5.0
     assert metrics.expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
@@ -302,12 +309,12 @@ def test_bad_input_exit_2(model_dir, tmp_path, capsys, monkeypatch, extra, messa
 
 
 # ---------------------------------------------------------------------------------------------------- --eval-heads
-def _perturbed_checkpoint(folder, path, draft, verify, head_type, *, scale, seed, gamma=4, vocab=None):
+def _perturbed_checkpoint(folder, path, draft, verify, head_type, *, scale, seed, gamma=4, vocab=None, **kw):
     """A hispec checkpoint of the tiny model with heads that differ from the base and from each other; `vocab`
     maps an exit to a reduced output vocabulary."""
     import hispec
 
-    model = hispec.EarlyExitModel.from_base(str(folder), draft, verify, head_type, gamma=gamma)
+    model = hispec.EarlyExitModel.from_base(str(folder), draft, verify, head_type, gamma=gamma, **kw)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.heads.parameters():
@@ -328,6 +335,10 @@ def checkpoints(model_dir, tmp_path_factory):
         # (the final layer's three most frequent argmaxes on these prompts)
         "layer": _perturbed_checkpoint(model_dir, root / "layer", 2, 3, "layer", scale=0.01, seed=2,
                                        vocab={"verify": [19, 44, 51]}),
+        # context heads (read the final layer's states up to the frontier t - d); the draft on every other token id
+        "context": _perturbed_checkpoint(model_dir, root / "context", 2, 3, "context", scale=0.05, seed=3, gamma=3,
+                                         vocab={"draft": list(range(0, 97, 2))},
+                                         context={"window": 4, "heads": 2, "head_dim": 8}),
     }
 
 
@@ -342,7 +353,7 @@ def _independent_eval(ckpt, prompts, max_new_tokens, gamma):
     tok, ad, V = model.tokenizer, model.adapter, model.adapter.vocab_size
     eos = eos_ids(tok, model.base.generation_config)
     N = ad.num_layers
-    per = []  # (category, final, {exit: (argmax, top5 hit, unrestricted argmax)})
+    per = []  # (category, final, {exit: (argmax, top5 hit, unrestricted argmax, [argmax at distance d = 1..gamma])})
     for rec in prompts:
         ids = chat_ids(tok, [{"role": "user", "content": rec["prompt"]}], True)
         x = torch.tensor([ids])
@@ -359,18 +370,23 @@ def _independent_eval(ckpt, prompts, max_new_tokens, gamma):
         heads = {}
         for name, layer in (("draft", model.draft_layer), ("verify", model.verify_layer)):
             head = model.heads[name]
-            if head.stateful:
-                feats = head(saved[layer], head.run_layer_fresh(ad))[0, pos]
-            else:
-                feats = head(saved[layer][0, pos])
-            logits = ad.project(feats).float()
-            free = logits.argmax(-1)
-            if head.vocab is not None:
-                allowed = torch.zeros(V, dtype=torch.bool)
-                allowed[head.vocab] = True
-                logits = logits.masked_fill(~allowed, float("-inf"))
-            k = min(5, head.vocab_size or V)
-            heads[name] = (logits.argmax(-1), (logits.topk(k, -1).indices == final[:, None]).any(-1), free)
+            out = []
+            for d in range(1, gamma + 1) if head.needs_context else [1]:
+                if head.needs_context:  # the final layer's states up to t - d, as after a full pass at t - d
+                    feats = head(saved[layer], context=head.sequence_context(saved, d))[0, pos]
+                elif head.stateful:
+                    feats = head(saved[layer], head.run_layer_fresh(ad))[0, pos]
+                else:
+                    feats = head(saved[layer][0, pos])
+                logits = ad.project(feats).float()
+                free = logits.argmax(-1)
+                if head.vocab is not None:
+                    allowed = torch.zeros(V, dtype=torch.bool)
+                    allowed[head.vocab] = True
+                    logits = logits.masked_fill(~allowed, float("-inf"))
+                k = min(5, head.vocab_size or V)
+                out.append((logits.argmax(-1), (logits.topk(k, -1).indices == final[:, None]).any(-1), free))
+            heads[name] = (*out[0], [o[0] for o in out])
         per.append((rec["category"], final, heads))
 
     def figures(rows):
@@ -378,13 +394,16 @@ def _independent_eval(ckpt, prompts, max_new_tokens, gamma):
         for name in ("draft", "verify"):
             agree = [h[name][0] == f for _, f, h in rows]
             tokens = passes = 0
-            for a in agree:
-                t, p = metrics.simulate_rounds(a.tolist(), gamma)
+            for _, f, h in rows:  # the k-th draft of a round is at frontier distance k + 1
+                by_d = torch.stack([a == f for a in h[name][3]], 1)
+                t, p = metrics.simulate_rounds(by_d.tolist(), gamma)
                 tokens, passes = tokens + t, passes + p
             out[name] = {"top1": float(torch.cat(agree).float().mean()),
                          "top5": float(torch.cat([h[name][1] for _, _, h in rows]).float().mean()),
                          "tokens_per_pass": tokens / passes,
-                         "free_top1": float(torch.cat([h[name][2] == f for _, f, h in rows]).float().mean())}
+                         "free_top1": float(torch.cat([h[name][2] == f for _, f, h in rows]).float().mean()),
+                         "by_distance": [float(torch.cat([h[name][3][d] == f for _, f, h in rows]).float().mean())
+                                         for d in range(len(rows[0][2][name][3]))]}
         d = torch.cat([h["draft"][0] for _, _, h in rows])
         v = torch.cat([h["verify"][0] for _, _, h in rows])
         t = torch.cat([f for _, f, _ in rows])
@@ -403,11 +422,11 @@ def _approx(x):
     return pytest.approx(x, abs=2e-5)
 
 
-@pytest.mark.parametrize("kind", ["linear", "layer"])
+@pytest.mark.parametrize("kind", ["linear", "layer", "context"])
 def test_eval_heads_matches_an_independent_teacher_forced_computation(model_dir, checkpoints, tmp_path, capsys, kind):
     ckpt = checkpoints[kind]
     data = _jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    gamma = 3 if kind == "linear" else 2  # linear: the checkpoint's own gamma (3); layer: --gamma 2
+    gamma = 2 if kind == "layer" else 3  # the checkpoint's own gamma (3); layer: --gamma 2
     argv = ["--model", ckpt, "--eval-heads", "--eval-data", data, "--max-new-tokens", "10", "--gen-batch-size", "1",
             "--feature-batch-tokens", "1", "--cache-dir", tmp_path / "cache", "--json-out", tmp_path / "out.json",
             "--no-progress"] + (["--gamma", "2"] if kind == "layer" else [])
@@ -419,7 +438,14 @@ def test_eval_heads_matches_an_independent_teacher_forced_computation(model_dir,
     assert res["mode"] == "eval-heads" and res["exits"] == ["draft", "verify"]
     assert res["layers"] == [model.draft_layer, model.verify_layer] == ([2, 4] if kind == "linear" else [2, 3])
     assert res["head_types"] == [kind, kind] and res["gamma"] == gamma
-    assert res["config"]["gamma_from"] == ("checkpoint" if kind == "linear" else "--gamma")
+    assert res["config"]["gamma_from"] == ("--gamma" if kind == "layer" else "checkpoint")
+    if kind == "context":  # top-1 by frontier distance 1..gamma; tokens per pass drafts the k-th token at k + 1
+        for name in ("draft", "verify"):
+            assert list(res["top1_by_distance"][name].values()) == [_approx(v) for v in exp[name]["by_distance"]]
+            assert res["top1_by_distance"][name]["1"] == _approx(exp[name]["top1"])
+        assert len({round(v, 6) for v in exp["draft"]["by_distance"]}) > 1  # the distance matters
+    else:
+        assert res["top1_by_distance"] == {}
     assert res["sizes"]["eval_items"] == 6 and res["sizes"]["eval_tokens"] == exp["tokens"]
     assert res["sizes"]["generated"] == 6
     for i, name in enumerate(("draft", "verify")):
@@ -444,9 +470,9 @@ def test_eval_heads_matches_an_independent_teacher_forced_computation(model_dir,
 
     # the reduced vocabulary is honoured: sizes reported, agreement computed inside the set (which differs here
     # from the unrestricted head's), top-5 capped at the set's size
-    reduced = 0 if kind == "linear" else 1
+    reduced = 1 if kind == "layer" else 0
     vocab = model.heads[res["exits"][reduced]].vocab
-    assert res["vocab_sizes"] == ([33, 97] if kind == "linear" else [97, 3])
+    assert res["vocab_sizes"] == {"linear": [33, 97], "layer": [97, 3], "context": [49, 97]}[kind]
     assert res["reduced_vocab"] == [reduced == 0, reduced == 1]
     cover = float(torch.isin(exp["final"], vocab).float().mean())
     assert res["vocab_coverage"][reduced] == _approx(cover) and res["vocab_coverage"][1 - reduced] == 1.0

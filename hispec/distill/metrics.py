@@ -38,12 +38,14 @@ def simulate_rounds(agree, gamma: int) -> tuple[int, int]:
     `agree[j]` says whether the exit's token at position j equals the full model's. A round starting at j drafts
     positions j..j+gamma-1; the leading run of agreements m (<= gamma) is accepted and the full pass adds one more
     token (the correction, or the bonus after gamma accepted drafts): m + 1 tokens, the next round starts at
-    j + m + 1 (the last round is cut at the answer's end)."""
-    agree = [bool(a) for a in agree]
+    j + m + 1 (the last round is cut at the answer's end). `agree[j]` may also be a sequence over frontier distances
+    (a `context` head: entry d - 1 at distance d): the round's k-th draft (k = 0..) is at distance k + 1 (the last
+    entry beyond its length)."""
+    agree = [[bool(x) for x in a] if isinstance(a, (list, tuple)) else [bool(a)] for a in agree]
     n, j, passes = len(agree), 0, 0
     while j < n:
         m = 0
-        while m < gamma and j + m < n and agree[j + m]:
+        while m < gamma and j + m < n and agree[j + m][min(m, len(agree[j + m]) - 1)]:
             m += 1
         j += m + 1
         passes += 1
@@ -52,7 +54,8 @@ def simulate_rounds(agree, gamma: int) -> tuple[int, int]:
 
 def tokens_per_pass(agree: torch.Tensor, segment: torch.Tensor, gamma: int) -> float | None:
     """Expected tokens per full-model pass over all answers (total tokens / total passes); `segment` `[n]` gives
-    each position's answer id (positions of one answer contiguous and in order)."""
+    each position's answer id (positions of one answer contiguous and in order). `agree` `[n]`, or `[n, D]` by
+    frontier distance (`simulate_rounds`)."""
     if agree.numel() == 0:
         return None
     tokens = passes = 0
@@ -90,7 +93,8 @@ def head_agreement(logits_of, feats: torch.Tensor, t_ids: torch.Tensor, t_logp: 
 
 
 @torch.no_grad()
-def exit_head_predictions(model, sequences, *, batch_tokens: int = 4096, chunk: int = 512) -> dict:
+def exit_head_predictions(model, sequences, *, batch_tokens: int = 4096, chunk: int = 512,
+                          distances: tuple[int, ...] = (1,)) -> dict:
     """Teacher-forced predictions of an `EarlyExitModel`'s own heads at every scored position of `sequences`
     (`hispec.distill.items.Sequence`).
 
@@ -99,31 +103,44 @@ def exit_head_predictions(model, sequences, *, batch_tokens: int = 4096, chunk: 
     and projects through `EarlyExitModel.project_exit`, so a reduced head vocabulary is honoured (argmax and top-5
     only ever inside it). Returns flat `[N]` tensors (CPU): `final` (the final layer's argmax), `<exit>_top1` (the
     head's argmax), `<exit>_top5` (bool: final argmax within the head's top-5, top-k capped at the head's vocabulary
-    size), and `layout` (`ScoredLayout`)."""
+    size), and `layout` (`ScoredLayout`).
+
+    A `context` head reads the final layer's states up to `t - d` (the frontier the full model verified, as in
+    decoding) for each distance d of `distances` (>= 1): `<exit>_top1` / `<exit>_top5` hold the first distance, and
+    `<exit>_by_distance` {d: (top1, top5)} every one (all from the same frozen pass)."""
+    if not distances or min(distances) < 1:
+        raise ValueError(f"distances must be >= 1, got {distances}")
     adapter = model.adapter
     lay = ScoredLayout.of(sequences)
     exits = {name: getattr(model, f"{name}_layer") for name in EXIT_NAMES}
+    layers = sorted({*exits.values(), *(x for h in model.heads.values() if h.needs_context for x in h.context_layers)})
     out = {"final": torch.empty(lay.n, dtype=torch.long)}
     for name in EXIT_NAMES:
-        out[f"{name}_top1"] = torch.empty(lay.n, dtype=torch.long)
-        out[f"{name}_top5"] = torch.empty(lay.n, dtype=torch.bool)
-    for valid, rows, cols, dest, saved, final in scored_batches(adapter, sequences, list(exits.values()), lay.offsets,
-                                                                batch_tokens):
+        ds = distances if model.heads[name].needs_context else distances[:1]
+        out[f"{name}_by_distance"] = {d: (torch.empty(lay.n, dtype=torch.long), torch.empty(lay.n, dtype=torch.bool))
+                                      for d in ds}
+    for valid, rows, cols, dest, saved, final in scored_batches(adapter, sequences, layers, lay.offsets, batch_tokens):
         for c in range(0, final.shape[0], chunk):
             out["final"][dest[c : c + chunk]] = adapter.project(final[c : c + chunk]).float().argmax(-1).cpu()
         for name, layer in exits.items():
             head = model.heads[name]
-            if head.stateful:  # attends over the exit's previous positions: run it over the whole sequences
-                feats = head(saved[layer], head.run_layer_fresh(adapter, valid.long()))[rows, cols]
-            else:
-                feats = saved[layer][rows, cols]
             k = min(5, head.vocab_size or adapter.vocab_size)  # -inf outside a reduced vocabulary: never "hits"
-            for c in range(0, feats.shape[0], chunk):
-                x = feats[c : c + chunk]
-                logits = model.project_exit(name, x if head.stateful else head(x)).float()
-                d = dest[c : c + chunk]
-                out[f"{name}_top1"][d] = logits.argmax(-1).cpu()
-                out[f"{name}_top5"][d] = _topk_hits(logits, out["final"][d].to(logits.device), k).bool().cpu()
+            for dist, (top1, top5) in out[f"{name}_by_distance"].items():
+                if head.needs_context:  # rows are right-padded: every row starts at 0
+                    feats = head(saved[layer], context=head.sequence_context(saved, dist))[rows, cols]
+                elif head.stateful:  # attends over the exit's previous positions: run it over the whole sequences
+                    feats = head(saved[layer], head.run_layer_fresh(adapter, valid.long()))[rows, cols]
+                else:
+                    feats = saved[layer][rows, cols]
+                whole = head.stateful or head.needs_context  # the head already ran
+                for c in range(0, feats.shape[0], chunk):
+                    x = feats[c : c + chunk]
+                    logits = model.project_exit(name, x if whole else head(x)).float()
+                    d = dest[c : c + chunk]
+                    top1[d] = logits.argmax(-1).cpu()
+                    top5[d] = _topk_hits(logits, out["final"][d].to(logits.device), k).bool().cpu()
+    for name in EXIT_NAMES:
+        out[f"{name}_top1"], out[f"{name}_top5"] = out[f"{name}_by_distance"][distances[0]]
     out["layout"] = lay
     return out
 
