@@ -219,6 +219,14 @@ class TrainArguments:
         metadata={"help": "Dtype of the frozen lm_head matmuls in the loss: auto (the backbone's), fp32, bf16, fp16; "
                           "softmax and KL stay fp32 (bf16: ~2x faster steps on this CPU)."},
     )
+    train_vocab_size: int = field(
+        default=0,
+        metadata={"help": "Both heads learn to propose only the K most frequent tokens of the self-distilled answers "
+                          "(hispec.vocab, as hispec-export --draft-vocab-size K picks them; specials always in): the "
+                          "loss narrows the lm_head to those K rows (~V/K x cheaper; what decoding with a reduced "
+                          "vocabulary computes) and the trained heads keep the vocabulary, so a plain hispec-export "
+                          "uses it. Needs feature_cache. 0 = full vocabulary."},
+    )
     seed: int = field(default=42, metadata={"help": "Seed of data order, head init and sampling."})
     checkpointing_steps: int = field(
         default=0, metadata={"help": "Save the training state every N optimizer steps (0 = never)."}

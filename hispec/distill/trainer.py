@@ -57,7 +57,10 @@ from hispec.export import METRICS_FILE, TRAIN_FILE
 from hispec.heads import HEAD_TYPES
 from hispec.io import DTYPES, atomic_write, parse_dtype, write_json
 from hispec.layers import DecoderAdapter
-from hispec.model import HEADS_FILE, EarlyExitModel, default_exits, load_base_model, load_tokenizer, validate_exits
+from hispec.model import (
+    EXITS, HEADS_FILE, EarlyExitModel, default_exits, load_base_model, load_tokenizer, validate_exits,
+)
+from hispec.vocab import vocab_for_model
 from hispec.prompts import pad_id_of
 
 logger = logging.getLogger("hispec.train")
@@ -134,6 +137,11 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
     if m.head_lora_rank < 0 or (m.head_lora_rank and m.head_type != "layer"):
         raise ConfigError(f"head_lora_rank {m.head_lora_rank}: LoRA applies to 'layer' heads only (>= 1; 0 = off)")
     context_ranges(m, t)  # context head settings and distance ranges (ConfigError when unusable)
+    if t.train_vocab_size < 0:
+        raise ConfigError(f"train_vocab_size must be >= 0 (0 = the full vocabulary), got {t.train_vocab_size}")
+    if t.train_vocab_size and not d.feature_cache:
+        raise ConfigError("train_vocab_size needs a feature_cache (the teacher stored as its top-k, which the "
+                          "reduced vocabulary is carved out of); set feature_cache or train_vocab_size 0")
     if not d.train_file and not d.dataset_name and not d.self_prompts and not d.plain_text_file:
         raise ConfigError("no training data: give --train_file (json/jsonl/parquet/txt), --dataset_name, "
                           "--self_prompts N and/or --plain_text_file")
@@ -549,6 +557,7 @@ class Trainer:
             gradient_accumulation_steps=t.gradient_accumulation_steps, log_with=report_to or None,
             project_dir=str(self.output_dir), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
             **accelerate_kwargs)
+        vocab_info = self._restrict_vocab(model, d, t)
         heads = HeadsForTraining(model.heads.float(), self.adapter)
         self.params = [p for p in heads.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
@@ -567,8 +576,9 @@ class Trainer:
         draft, verify = self.exits
         if resume_dir is not None:
             saved = json.loads((resume_dir / STATE_FILE).read_text())
-            now = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info}
-            for key in ("draft_layer", "verify_layer", "head_type", "context"):
+            now = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info,
+                   "train_vocab": vocab_info}
+            for key in ("draft_layer", "verify_layer", "head_type", "context", "train_vocab"):
                 if saved["run"].get(key) != now[key]:
                     raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={saved['run'].get(key)!r}, "
                                       f"this run asks for {now[key]!r}; resume with the same configuration")
@@ -577,6 +587,7 @@ class Trainer:
             self.prior_seconds = float(saved.get("train_seconds", 0.0))
             logger.info("resumed from %s at step %d", resume_dir, self.completed)
         self.run_info = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info,
+                         "train_vocab": vocab_info,
                          "train_examples": len(data.train), "eval_examples": len(data.eval) if data.eval is not None else 0,
                          "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                          "world_size": acc.num_processes, "sources": data.sources, "feature_cache": data.cache_info}
@@ -586,6 +597,24 @@ class Trainer:
                                                       for k, v in self.config_dump.items()})
         logger.info("training: %d sequences, %d steps/epoch, %d steps, %d process(es)", len(data.train),
                     self.steps_per_epoch, self.total_steps, acc.num_processes)
+
+    def _restrict_vocab(self, model, d: DataArguments, t: TrainArguments) -> dict | None:
+        """`train_vocab_size`: both heads get the K most frequent tokens of the self-distilled answers (the files
+        `hispec-export` counts by default; token id order without them) -> what the run records, or None."""
+        if not t.train_vocab_size:
+            return None
+        if not 1 <= t.train_vocab_size <= self.adapter.vocab_size:
+            raise ConfigError(f"train_vocab_size {t.train_vocab_size} must be within 1..{self.adapter.vocab_size}")
+        folder = Path(expand_path(d.self_distill_dir)) if d.self_distill_dir else self.output_dir / "self_distill"
+        files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+        vocab = vocab_for_model(model, t.train_vocab_size, files)
+        for name in EXITS:
+            model.set_exit_vocab(name, vocab)
+        logger.info("heads train on a %d-token vocabulary counted on %s", t.train_vocab_size,
+                    ", ".join(str(f) for f in files) or "nothing (token id order)")
+        # the ids' checksum makes a resume with different answers (hence another vocabulary) fail loudly
+        return {"size": t.train_vocab_size, "counted_on": [str(f) for f in files],
+                "ids_sum": int(vocab.sum()), "ids_sq_sum": int((vocab * vocab).sum())}
 
     def evaluate(self, step: int, final: bool = False) -> dict | None:
         if self.eval_dl is None:

@@ -24,7 +24,9 @@ import torch
 
 from hispec.distill.args import EVAL_DISTANCES, ConfigError, ModelArguments, TrainArguments
 from hispec.distill.features import FeatureCacheError
-from hispec.distill.losses import distill_loss, exit_states, next_token_labels, topk_distill_loss, topk_kl
+from hispec.distill.losses import (
+    IGNORE_INDEX, distill_loss, exit_states, next_token_labels, topk_distill_loss, topk_kl,
+)
 from hispec.distill.metrics import expected_tokens_per_round
 from hispec.io import parse_dtype
 from hispec.layers import positions_from_mask
@@ -322,12 +324,67 @@ def _loss_fn(adapter, exits, t: TrainArguments, param_dtype, cached: bool):
     def from_cache(batch, heads, pairs=(), per_token=False, dist=None, topk_agree=0):
         hidden, ids, logp, labels, row = _cached_inputs(batch, exits, param_dtype, _seq_heads(heads),
                                                         _ctx_heads(heads, dist), dist)
-        out = topk_distill_loss(project, heads(hidden), ids, logp, labels, ce_weight=t.ce_weight, chunk_size=chunk,
-                                vocab_size=adapter.vocab_size, pairs=pairs, per_token=per_token,
-                                topk_agree=topk_agree)
+        proj, size = project, adapter.vocab_size
+        vocab = _training_vocab(heads)
+        if vocab is not None:
+            proj, ids, logp, labels = narrow_to_vocab(project_sub, vocab, adapter.vocab_size, ids, logp, labels)
+            size = vocab.numel() + 1
+        out = topk_distill_loss(proj, heads(hidden), ids, logp, labels, ce_weight=t.ce_weight, chunk_size=chunk,
+                                vocab_size=size, pairs=pairs, per_token=per_token, topk_agree=topk_agree)
         return out, row, batch["offsets"].shape[0] - 1
 
-    return from_cache if cached else on_the_fly
+    def project_sub(features, vocab):
+        return project(features, vocab)
+
+    if not cached:
+        def checked(batch, heads, *a, **k):
+            if _training_vocab(heads) is not None:
+                raise ValueError("heads with a training vocabulary (train_vocab_size) need the feature-cache loss")
+            return on_the_fly(batch, heads, *a, **k)
+
+        return checked
+    return from_cache
+
+
+OUTSIDE_LOGIT = -1.0e4  # the extra column standing for every token outside a training vocabulary: never likely
+
+
+def _training_vocab(heads) -> torch.Tensor | None:
+    """The vocabulary both heads are restricted to (`train_vocab_size`), or None; heads with different ones are
+    refused (the loss projects every head through one narrowed lm_head)."""
+    inner = getattr(heads, "module", heads).heads
+    vocabs = [inner[k].vocab for k in ("draft", "verify")]
+    if all(v is None for v in vocabs):
+        return None
+    if any(v is None for v in vocabs) or not torch.equal(vocabs[0], vocabs[1]):
+        raise ValueError("both heads must share one training vocabulary (train_vocab_size) or have none")
+    return vocabs[0]
+
+
+def narrow_to_vocab(project_sub, vocab: torch.Tensor, vocab_size: int, ids, logp, labels):
+    """The top-k + bucket loss over a head vocabulary of K ids (sorted) instead of all V tokens: -> (project
+    `[n, H] -> [n, K + 1]` logits over the K ids plus one column at OUTSIDE_LOGIT, ids remapped into 0..K (K: outside),
+    logp with the outside entries at OUTSIDE_LOGIT so that their mass joins the bucket, labels outside -> ignored).
+
+    The student is then the softmax over the K ids (what a head with that vocabulary proposes from), the teacher
+    keeps its k tokens inside the set and one bucket for the rest of its mass (outside tokens included): the same
+    grouped KL as `topk_kl`, against the distribution a restricted head can represent. The outside column is never
+    a student token (probability e^-1e4) and carries no gradient (its teacher probability is 0)."""
+    K = vocab.numel()
+    lookup = torch.full((vocab_size,), K, dtype=torch.long, device=ids.device)
+    lookup[vocab.to(ids.device)] = torch.arange(K, device=ids.device)
+    ids = lookup[ids]
+    logp = logp.masked_fill(ids == K, OUTSIDE_LOGIT)
+    keep = labels != IGNORE_INDEX
+    mapped = lookup[labels.clamp(min=0)]
+    labels = torch.where(keep & (mapped < K), mapped, torch.full_like(labels, IGNORE_INDEX))
+    sub = vocab.to(ids.device)
+
+    def project(features):
+        s = project_sub(features, sub)
+        return torch.cat([s, s.new_full((*s.shape[:-1], 1), OUTSIDE_LOGIT)], -1)
+
+    return project, ids, logp, labels
 
 
 def _seq_heads(heads) -> tuple[str, ...]:
@@ -354,8 +411,8 @@ def _project_fn(adapter, dtype=None):
     """The frozen lm_head as a function of features. With a `dtype` other than the backbone's, a copy of the output
     layers in that dtype runs the same `DecoderAdapter.project` code (the loss's softmax stays fp32)."""
     if dtype is None or dtype == adapter.dtype:
-        def project(features):
-            return adapter.project(features.to(adapter.dtype))
+        def project(features, vocab=None):
+            return adapter.project(features.to(adapter.dtype), vocab)
 
         return project
 
@@ -365,8 +422,8 @@ def _project_fn(adapter, dtype=None):
         parts, lm_head=copy.deepcopy(parts.lm_head).to(dtype),
         project_out=None if parts.project_out is None else copy.deepcopy(parts.project_out).to(dtype))
 
-    def project_cast(features):
-        return shim.project(features.to(dtype))
+    def project_cast(features, vocab=None):
+        return shim.project(features.to(dtype), vocab)
 
     return project_cast
 
