@@ -442,10 +442,13 @@ class EarlyExitModel(nn.Module):
             state = load_file(str(path), device=str(self.device))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"could not read heads file {path}: {e} (truncated or corrupt?)") from e
+        target = self.heads.state_dict()
+        # weights take the model's dtype, integer buffers (vocabulary ids) their own: ids written as fp32 by an
+        # older trainer are exact there (< 2^24) but would be rounded in bf16
+        state = {k: v.to(target[k].dtype if k in target and not target[k].is_floating_point() else self.dtype)
+                 if v.is_floating_point() else v for k, v in state.items()}
         try:
-            self.heads.load_state_dict(
-                {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}, strict=True
-            )
+            self.heads.load_state_dict(state, strict=True)
         except RuntimeError as e:
             raise CheckpointError(f"heads file {path} does not fit these heads: {e}") from e
         for name in EXITS:

@@ -69,12 +69,16 @@ def test_a_feature_cache_run_trains_on_the_vocabulary_and_a_plain_export_keeps_i
     out, cache = tmp_path / "run", tmp_path / "cache"
     assert _run(_argv(env, out, "--plain_text_file", str(pairs_file), "--plain_text_loss_on", "assistant",
                       "--feature_cache", str(cache), "--feature_cache_k", "8", "--train_vocab_size", "48",
+                      "--self_distill", "true", "--gen_max_new_tokens", "12", "--gen_batch_size", "4",
                       "--max_steps", "8", "--learning_rate", "1e-2", "--eval_steps", "4")) == 0
     capsys.readouterr()
     state = _heads(out)
     assert state["draft.vocab"].numel() == 48 and torch.equal(state["draft.vocab"], state["verify.vocab"])
     info = json.loads((out / "hispec_train.json").read_text())
     assert info["data"]["train_vocab"]["size"] == 48
+    # counted on the model's own answers (what hispec-export counts by default), with the model's tokenizer
+    answers = info["data"]["train_vocab"]["counted_on"]
+    assert answers and all("self_distill" in f for f in answers)
     exits = {e["name"]: e["vocab_size"] for e in info["hispec"]["exits"]}
     assert exits == {"draft": 48, "verify": 48}
     metrics = json.loads((out / "metrics.json").read_text())
@@ -102,3 +106,41 @@ def test_bad_train_vocab_settings_fail_before_any_work(env, tmp_path, extra, mes
     with pytest.raises(ConfigError, match=message):
         main(_argv(env, out, "--max_steps", "2", *extra))
     assert not out.exists()
+
+
+def test_vocabulary_ids_above_bf16_precision_survive_the_heads_file(tmp_path):
+    """Ids > 256 are not exact in bf16: a bf16 model loading a heads file (integer ids, or the fp32 ids an older
+    trainer wrote) must keep them exactly, and decode losslessly with them."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from tiny import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.vocab_size = 600
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = hispec.EarlyExitModel.from_base(base, draft_layer=2, verify_layer=4, head_type="linear")
+    vocab = torch.tensor(sorted(set(range(0, 600, 2)) | {257, 259, 599}))
+    for name in ("draft", "verify"):
+        model.set_exit_vocab(name, vocab)
+    path = tmp_path / "heads.safetensors"
+    for as_float in (False, True):
+        state = {k: (v.float() if as_float else v) for k, v in model.heads_state_dict().items()}
+        save_file(state, str(path))
+        assert (load_file(str(path))["draft.vocab"].dtype == torch.float32) == as_float
+        other = hispec.EarlyExitModel.from_base(
+            transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval(), draft_layer=2,
+            verify_layer=4, head_type="linear")
+        for name in ("draft", "verify"):
+            other.set_exit_vocab(name, vocab)
+        other.load_heads(path)
+        for name in ("draft", "verify"):
+            assert other.heads[name].vocab.dtype == torch.long and torch.equal(other.heads[name].vocab.cpu(), vocab)
+
+
+def test_the_trainer_writes_vocabulary_ids_as_integers(env, pairs_file, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    assert _run(_argv(env, out, "--plain_text_file", str(pairs_file), "--feature_cache", str(tmp_path / "cache"),
+                      "--feature_cache_k", "8", "--train_vocab_size", "40", "--max_steps", "2")) == 0
+    state = _heads(out)
+    assert state["draft.vocab"].dtype == torch.long and state["draft.adapter.weight"].dtype == torch.float32

@@ -431,6 +431,7 @@ def load_model(m: ModelArguments, d: DataArguments, t: TrainArguments, state):
         check_feature_cache(m, d, (draft, verify), n_layers)
     set_seed(t.seed)
     model = wrap_model(base, m, draft, verify, t.gamma, t.window)
+    model.tokenizer = tokenizer  # train_vocab_size counts the self-distilled answers with it
     model.base.to(state.device)
     logger.info("loaded %s (%d layers) in %.1fs; exits draft=%d verify=%d, head=%s", m.model_name_or_path,
                 n_layers, time.time() - t0, draft, verify, m.head_type)
@@ -717,7 +718,8 @@ class Trainer:
         final = self.evaluate(self.completed, final=True)
         state = acc.get_state_dict(self.heads)
         if acc.is_main_process:
-            heads_state = {k.removeprefix("heads."): v.detach().float().cpu().contiguous() for k, v in state.items()}
+            heads_state = {k.removeprefix("heads."): (v.detach().float() if v.is_floating_point() else v.detach()).cpu()
+                           .contiguous() for k, v in state.items()}  # vocabulary ids stay integers
             self.output_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(self.output_dir / HEADS_FILE,
                          lambda p: save_file(heads_state, str(p), metadata={"format": "pt", "hispec": "1"}))
