@@ -110,7 +110,7 @@ def test_bad_train_vocab_settings_fail_before_any_work(env, tmp_path, extra, mes
 
 def test_vocabulary_ids_above_bf16_precision_survive_the_heads_file(tmp_path):
     """Ids > 256 are not exact in bf16: a bf16 model loading a heads file (integer ids, or the fp32 ids an older
-    trainer wrote) must keep them exactly, and decode losslessly with them."""
+    trainer wrote) must keep them exactly."""
     import transformers
     from safetensors.torch import load_file, save_file
     from tiny import tiny_config
