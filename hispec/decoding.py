@@ -3,10 +3,14 @@
 A level is one of
 - `ngram`: prompt lookup over the row's own prompt and output (`hispec.ngram`); no model cost; only at level 0;
 - an exit: the decoder layers up to the exit's layer plus its trained head (`draft` at L_d, `verify` at L_i);
-- `full`: the whole model, always the top.
+- `full`: the whole model, always the top;
+- `ngram|EXIT` (level 0 only): both drafters in one level, the n-gram lookup first and the exit wherever the lookup
+  finds nothing. They are strong in different places (the lookup where answers copy from the context: code edits,
+  RAG, summaries; the head elsewhere), and a row pays the exit only when the lookup missed.
 Level 0 drafts; each level k >= 1 verifies, in one pass, what level k-1 gathered, and the top level is the full
 model. Named strategies are hierarchies: `ar` = full, `self-spec` = draft>full, `hispec` = draft>verify>full,
-`ngram` = ngram>full, `ngram-self-spec` = ngram>draft>full, `ngram-hispec` = ngram>draft>verify>full; any other
+`ngram` = ngram>full, `ngram-self-spec` = ngram>draft>full, `ngram-hispec` = ngram>draft>verify>full,
+`self-spec-lookup` = ngram|draft>full, `hispec-lookup` = ngram|draft>verify>full; any other
 spec string (e.g. `"ngram>L8>full"`, exits named or given by layer) works too, and `auto` picks one from the
 checkpoint's calibration (`hispec.latency`) and adapts it per row while decoding (see `_AutoPolicy`).
 
@@ -61,7 +65,10 @@ NAMED = {
     "ngram": ("ngram", "full"),
     "ngram-self-spec": ("ngram", "draft", "full"),
     "ngram-hispec": ("ngram", "draft", "verify", "full"),
+    "self-spec-lookup": ("ngram|draft", "full"),
+    "hispec-lookup": ("ngram|draft", "verify", "full"),
 }
+LOOKUP = "ngram|"  # a level-0 name `ngram|EXIT`: the n-gram lookup first, the exit where it finds nothing
 STRATEGIES = ("auto",) + tuple(NAMED)
 
 
@@ -74,6 +81,7 @@ class LevelStats:
     accepted: int = 0  # of those, accepted
     rejections: int = 0  # row verifications that rejected one of their proposals (i.i.d. MLE: acc / (acc + rej))
     proposals: int = 0  # level 0: row draft steps that proposed anything (an n-gram may find nothing)
+    lookups: int = 0  # level 0 `ngram|EXIT`: of those, the ones the n-gram lookup served (the rest: the exit)
     passes: int = 0  # batched passes (draft steps at level 0, verifications above)
     row_passes: int = 0  # the same, counted per participating row
     layer_evals: int = 0  # decoder-layer evaluations of real tokens in this level's range (+ its head layer)
@@ -190,10 +198,12 @@ class Level:
     exit_layer: int  # decoder layers run to reach this level (0 for ngram, num_layers for full)
     head: str | None = None  # the exit head's name ('draft' / 'verify') for kind 'exit'
     threshold: int = 1  # default gamma: tokens gathered before the next level verifies them (ngram: longest proposal)
+    lookup: bool = False  # an exit at level 0 that tries the n-gram lookup first (`ngram|EXIT`)
 
     @property
     def name(self) -> str:
-        return {"ngram": "ngram", "full": "full"}.get(self.kind, f"L{self.exit_layer}")
+        name = {"ngram": "ngram", "full": "full"}.get(self.kind, f"L{self.exit_layer}")
+        return LOOKUP + name if self.lookup else name
 
 
 def parse_hierarchy(spec, model) -> list[str]:
@@ -208,6 +218,16 @@ def parse_hierarchy(spec, model) -> list[str]:
     by_layer = {f"L{model.hispec_config.layer_of(n)}": n for n in model.exit_names}
     names = []
     for p in parts:
+        lookup = p.startswith(LOOKUP)
+        if lookup:
+            p = p[len(LOOKUP):].strip()
+            if p in ("ngram", "full") or (p not in model.exit_names and p not in by_layer):
+                raise ValueError(f"level {LOOKUP + p!r} in {spec!r}: '{LOOKUP}' pairs the lookup with an exit of "
+                                 f"this checkpoint ({', '.join(model.exit_names)}), e.g. 'ngram|draft>full'")
+            names.append(LOOKUP + by_layer.get(p, p))
+            if len(names) > 1:
+                raise ValueError(f"hierarchy {spec!r}: '{LOOKUP}EXIT' can only be the lowest level (it drafts)")
+            continue
         if p in ("ngram", "full") or p in model.exit_names:
             names.append(p)
         elif p in by_layer:
@@ -221,8 +241,8 @@ def parse_hierarchy(spec, model) -> list[str]:
         raise ValueError(f"hierarchy {spec!r} must end with the full model ('full')")
     if "ngram" in names[1:]:
         raise ValueError(f"hierarchy {spec!r}: 'ngram' can only be the lowest level (it drafts, it cannot verify)")
-    depth = [0 if n == "ngram" else model.num_layers if n == "full" else model.hispec_config.layer_of(n)
-             for n in names]
+    depth = [0 if n == "ngram" else model.num_layers if n == "full"
+             else model.hispec_config.layer_of(n.removeprefix(LOOKUP)) for n in names]
     if any(b <= a for a, b in zip(depth, depth[1:])):
         raise ValueError(f"hierarchy {spec!r}: each level must be strictly deeper than the one below it "
                          f"(layers {depth})")
@@ -239,6 +259,9 @@ def build_levels(model, names: list[str], gammas=None, *, gamma: int, window: in
             levels.append(Level("ngram", 0, None, ngram.max_len))
         elif n == "full":
             levels.append(Level("full", model.num_layers, None, 1))
+        elif n.startswith(LOOKUP):
+            exit_name = n[len(LOOKUP):]
+            levels.append(Level("exit", model.hispec_config.layer_of(exit_name), exit_name, gamma, lookup=True))
         else:
             levels.append(Level("exit", model.hispec_config.layer_of(n), n, gamma if n == first_exit else window))
     if gammas is not None:
@@ -249,7 +272,7 @@ def build_levels(model, names: list[str], gammas=None, *, gamma: int, window: in
         for g in gammas:
             if not isinstance(g, int) or g < 1:
                 raise ValueError(f"gammas must be integers >= 1, got {gammas}")
-        levels = [Level(lv.kind, lv.exit_layer, lv.head, g) for lv, g in zip(levels, gammas)] + [levels[-1]]
+        levels = [Level(lv.kind, lv.exit_layer, lv.head, g, lv.lookup) for lv, g in zip(levels, gammas)] + [levels[-1]]
     return levels
 
 
@@ -281,7 +304,8 @@ class _Run:
         self.ver = [None] + [lens.clone() for _ in range(self.K)]
         self.done = [torch.zeros_like(lens) for _ in range(self.K + 1)]
         self.gam = [torch.full_like(lens, lv.threshold) for lv in levels[:-1]]
-        self.exhausted = torch.zeros(B, dtype=torch.bool, device=dev)  # an ngram level 0 has no more proposals
+        # an ngram level 0 has no more proposals, or (`ngram|EXIT`) its lookup proposed: verify them now
+        self.exhausted = torch.zeros(B, dtype=torch.bool, device=dev)
         H = self.adapter.hidden_size
         self.hid = [None] + [torch.zeros(B, cap, H, dtype=self.adapter.dtype, device=dev) for _ in range(self.K)]
         # `context` heads read the final layer's states of verified positions: kept per row (valid below done[K])
@@ -393,13 +417,15 @@ class _Run:
             self.rows[k] = new
         return self.rows[k]
 
-    def _store_rows(self, k: int, first_pos: torch.Tensor, probs: torch.Tensor):
-        # probs [B, W, V] are level k's rows predicting positions first_pos + 0..W-1
+    def _store_rows(self, k: int, first_pos: torch.Tensor, probs: torch.Tensor, only: torch.Tensor | None = None):
+        # probs [B, W, V] are level k's rows predicting positions first_pos + 0..W-1 (for the rows `only`, else all)
         off = first_pos - self.base
         W = probs.shape[1]
         rows = self._ensure_rows(k, int(off.max()) + W, probs.shape[-1], probs)
-        idx = off[:, None] + torch.arange(W, device=off.device)
-        rows.scatter_(1, idx[..., None].expand(-1, -1, probs.shape[-1]), probs)
+        idx = (off[:, None] + torch.arange(W, device=off.device))[..., None].expand(-1, -1, probs.shape[-1])
+        if only is not None:
+            probs = torch.where(only[:, None, None], probs.to(rows.dtype), rows.gather(1, idx))
+        rows.scatter_(1, idx, probs)
 
     def _read_rows(self, k: int, first_pos: torch.Tensor, W: int) -> torch.Tensor:
         off = first_pos - self.base
@@ -443,23 +469,14 @@ class _Run:
 
     def draft_step(self, active: torch.Tensor):
         """Level 0 proposes for the active rows that may still grow: one token (an exit, or the full model for
-        `ar`, where it is committed), or a whole n-gram continuation of up to gam[0] tokens."""
+        `ar`, where it is committed), or a whole n-gram continuation of up to gam[0] tokens; `ngram|EXIT`: the
+        lookup's continuation (up to ngram.max_len) where it matches, else the exit's token."""
         t0 = time.perf_counter()
         st = self.stats.levels[0]
         stop = self._stop_pos()
         grow = active & (self.seq < stop)
         if self.levels[0].kind == "ngram":
-            room = torch.minimum(self.gam[0], stop - self.seq).clamp(min=0)
-            props, n = propose_batch(self.tok, self.seq, grow, room, self.ngram)
-            W = props.shape[1]
-            pos = (self.seq[:, None] + torch.arange(W, device=n.device)).clamp(max=self.tok.shape[1] - 1)
-            put = torch.arange(W, device=n.device) < n[:, None]
-            self.tok.scatter_(1, pos, torch.where(put, props, self.tok.gather(1, pos)))
-            if self.do_sample and self.K:  # an n-gram proposal is a point mass
-                V = self.adapter.vocab_size
-                onehot = torch.nn.functional.one_hot(props, V).float()
-                self._store_rows(0, self.seq, onehot)
-            self.seq = self.seq + n
+            n = self._propose_ngram(grow, torch.minimum(self.gam[0], stop - self.seq))
             self.exhausted |= grow
             st.proposed += int(n.sum())
             st.proposals += int((n > 0).sum())
@@ -467,6 +484,14 @@ class _Run:
             st.row_passes += int(grow.sum())
             st.seconds += time.perf_counter() - t0
             return
+        if self.levels[0].lookup:  # `ngram|EXIT`: rows the lookup serves skip the exit and are verified next
+            n = self._propose_ngram(grow, torch.minimum(torch.full_like(stop, self.ngram.max_len), stop - self.seq))
+            hit = n > 0
+            self.exhausted |= hit
+            st.proposed += int(n.sum())
+            st.proposals += int(hit.sum())
+            st.lookups += int(hit.sum())
+            grow = grow & ~hit
         end = torch.where(grow, self.seq, self.done[0])
         out, start, hf = self._advance(0, end)
         if out is not None:
@@ -478,11 +503,13 @@ class _Run:
             if self.do_sample:
                 probs = logits_to_probs(logits, **self.warp)
                 token = sample(probs, self.generator)
-                if self.K:
+                if self.K and not self.levels[0].lookup:
                     self._store_rows(0, self.seq, probs[:, None])
             else:
                 token = logits.argmax(-1)
             pos = self.seq.clamp(max=self.tok.shape[1] - 1)
+            if self.do_sample and self.K and self.levels[0].lookup:
+                self._store_rows(0, self.seq, probs[:, None], only=grow)
             self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
             self.seq = self.seq + grow.long()
             st.proposed += int(grow.sum()) if self.K else 0
@@ -491,13 +518,30 @@ class _Run:
             st.row_passes += int(grow.sum())
         st.seconds += time.perf_counter() - t0
 
+    def _propose_ngram(self, rows: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+        """The n-gram lookup for `rows` (an `ngram` level 0, or the first try of `ngram|EXIT`): writes up to `room`
+        proposed tokens after each row's known ones (as point masses when sampling) and advances `seq`; returns
+        the proposal lengths (0 where nothing matched)."""
+        props, n = propose_batch(self.tok, self.seq, rows, room.clamp(min=0), self.ngram)
+        hit = n > 0
+        if bool(hit.any()):
+            W = props.shape[1]
+            pos = (self.seq[:, None] + torch.arange(W, device=n.device)).clamp(max=self.tok.shape[1] - 1)
+            put = torch.arange(W, device=n.device) < n[:, None]
+            self.tok.scatter_(1, pos, torch.where(put, props, self.tok.gather(1, pos)))
+            if self.do_sample and self.K:  # an n-gram proposal is a point mass
+                onehot = torch.nn.functional.one_hot(props, self.adapter.vocab_size).float()
+                self._store_rows(0, self.seq, onehot, only=hit)
+            self.seq = self.seq + n
+        return n
+
     def _ready(self, k: int) -> torch.Tensor:
         """Rows for which level k may verify now: gathered gam[k-1] tokens, at their limit/EOS, or (ngram below)
         out of proposals."""
         stop = self._stop_pos()
         count = torch.minimum(self.seq, stop) - self.ver[k]
         ready = (count >= self.gam[k - 1]) | (self.seq >= stop)
-        if k == 1 and self.levels[0].kind == "ngram":
+        if k == 1 and (self.levels[0].kind == "ngram" or self.levels[0].lookup):
             ready |= self.exhausted
         return ready
 

@@ -114,6 +114,9 @@ def check_tree(spec, levels, *, max_new_tokens: int, policy, do_sample: bool = F
     if kinds != ["exit", "full"]:
         raise ValueError(f"tree drafts need a hierarchy of one draft exit under the full model (e.g. 'self-spec' "
                          f"or 'draft>full'), got {'>'.join(lv.name for lv in levels)}")
+    if levels[0].lookup:
+        raise ValueError(f"tree drafts branch on one exit head's candidates; '{levels[0].name}' also proposes n-gram "
+                         f"continuations, which are chains: use 'self-spec' with the tree, or the lookup without it")
     if policy is not None:
         raise ValueError("tree drafts do not take a policy (strategy='auto' changes chain lengths, not trees)")
     if max_new_tokens and spec.depth > max_new_tokens:

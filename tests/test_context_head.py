@@ -96,7 +96,7 @@ def test_each_row_with_context_heads_equals_its_single_run(batch_size):
     model = _context_model("qwen2", seed=batch_size)
     ids, am = _ragged(batch_size, 8, seed=batch_size)
     ref = _hf_greedy(model.base, ids, am, 13)
-    for strategy in ("self-spec", "hispec", "ngram-hispec"):
+    for strategy in ("self-spec", "hispec", "ngram-hispec", "self-spec-lookup"):
         out = model.generate(ids, am, max_new_tokens=13, strategy=strategy, gamma=2, window=3)
         assert torch.equal(out.sequences, ref), strategy
         for b in range(batch_size):
@@ -124,7 +124,7 @@ def _record_context_calls(monkeypatch):
 
 @pytest.mark.parametrize("strategy,mid,frontier", [("self-spec", False, 1), ("self-spec", False, 0),
                                                    ("hispec", False, 1), ("hispec", True, 1), ("hispec", True, 0),
-                                                   ("ngram-hispec", True, 1)])
+                                                   ("ngram-hispec", True, 1), ("hispec-lookup", True, 1)])
 @pytest.mark.parametrize("family", ["llama", "qwen2-sliding", "gemma2"])
 def test_the_decoder_hands_context_heads_exactly_what_a_whole_sequence_run_computes(monkeypatch, family, strategy,
                                                                                      mid, frontier):
@@ -168,7 +168,7 @@ def test_the_decoder_hands_context_heads_exactly_what_a_whole_sequence_run_compu
         assert min(dists) == 1 and max(dists) <= gamma
 
 
-@pytest.mark.parametrize("strategy", ["self-spec", "hispec", "ngram-hispec"])
+@pytest.mark.parametrize("strategy", ["self-spec", "hispec", "ngram-hispec", "hispec-lookup"])
 def test_sampling_with_context_heads_matches_the_exact_distribution(strategy):
     import transformers
 

@@ -11,9 +11,10 @@ from tiny import FAMILIES, tiny_model
 import hispec
 from hispec import decoding, sampling
 
-# every hierarchy shape: plain, one exit, two exits, n-gram alone / under one / two exits, an exit skipped
+# every hierarchy shape: plain, one exit, two exits, n-gram alone / under one / two exits, an exit skipped, the
+# lookup-first exit (`ngram|EXIT`) under the full model and under a verifier
 STRATEGIES = ("ar", "self-spec", "hispec", "ngram", "ngram-self-spec", "ngram-hispec", "verify>full",
-              "ngram>verify>full")
+              "ngram>verify>full", "self-spec-lookup", "hispec-lookup", "ngram|verify>full")
 SPECULATIVE = STRATEGIES[1:]
 
 
@@ -140,7 +141,7 @@ def test_heads_that_accept_nothing_still_give_identical_output():
     for strategy in SPECULATIVE:
         out = model.generate(ids, am, max_new_tokens=12, strategy=strategy, gamma=3, window=2)
         assert torch.equal(out.sequences, ref)
-        if "ngram" not in strategy:  # (an n-gram level still copies the repeats these models fall into)
+        if "ngram" not in strategy and "lookup" not in strategy:  # (a lookup copies the repeats these models fall into)
             assert out.stats.accepted_at_target <= 2
 
 
@@ -237,6 +238,10 @@ def test_commit_reads_only_new_tokens_so_long_outputs_stay_linear(strategy):
         (dict(strategy="draft>ngram>full"), "lowest level"),
         (dict(strategy="draft>verify"), "must end with the full model"),
         (dict(strategy="ngram>L3>full"), "unknown strategy or level 'L3'"),
+        (dict(strategy="ngram|full"), "pairs the lookup with an exit"),
+        (dict(strategy="ngram|L3>full"), "pairs the lookup with an exit"),
+        (dict(strategy="draft>ngram|verify>full"), "can only be the lowest level"),
+        (dict(strategy="self-spec-lookup", tree=[2, 1]), "chains: use 'self-spec' with the tree"),
         (dict(strategy="hispec", gammas=[2]), "one per level"),
         (dict(strategy="self-spec", gammas=[0]), "gammas must be integers >= 1"),
         (dict(strategy="ngram", ngram=dict(max_ngram=0)), "max_ngram must be an integer >= 1"),
@@ -285,6 +290,19 @@ def test_rows_switching_levels_on_and_off_every_round_stay_identical(family):
         out = model.generate(ids, am, max_new_tokens=15, strategy=strategy, policy=policy)
         assert torch.equal(out.sequences, ref), strategy
         assert policy.zeros > 0
+
+
+def test_the_lookup_first_exit_drafts_where_the_lookup_finds_nothing():
+    """`ngram|draft`: a row whose context repeats is served by the lookup (no exit pass), the others by the exit;
+    output is hf's either way, and the level's name says both drafters."""
+    model = _wrap(_oracle(tiny_model("llama"), 2))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 21, 33, 45, 57, 69, 81, 93, 11, 23]])
+    ref = _hf_greedy(model.base, ids, torch.ones_like(ids), 12)
+    out = model.generate(ids, max_new_tokens=12, strategy="self-spec-lookup", gamma=2)
+    assert torch.equal(out.sequences, ref)
+    lv0 = out.stats.levels[0]
+    assert lv0.name == "ngram|L2" and 0 < lv0.lookups < lv0.proposals
+    assert out.stats.strategy == "ngram|L2>full"
 
 
 def test_empty_prompt_is_refused():
@@ -355,7 +373,7 @@ def _chi2_pvalue(samples, outcomes, probs):
 WARPS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)]
 # sequence-level verification (hispec.sampling.hsd_accept) at every level: one exit, two exits, an n-gram (point-mass
 # proposals) under two exits
-HSD_STRATEGIES = ("self-spec", "hispec", "ngram-hispec")
+HSD_STRATEGIES = ("self-spec", "hispec", "ngram-hispec", "hispec-lookup")
 SAMPLING_CASES = [(s, "token") for s in SPECULATIVE] + [(s, "hsd") for s in HSD_STRATEGIES]
 
 
@@ -375,9 +393,15 @@ def test_sampling_matches_the_exact_distribution(strategy, verification, warp):
                              verification=verification, **warp)
         lv = out.stats.levels[1]
         assert out.stats.levels[0].proposed > 100 and 0 < lv.accepted < lv.proposed
+    if "lookup" in strategy:  # both drafters of the level proposed: the lookup's point masses and the exit's rows
+        out = model.generate(torch.tensor([prompt] * 500), max_new_tokens=n, strategy=strategy, do_sample=True,
+                             gamma=2, window=2, generator=torch.Generator().manual_seed(1),
+                             verification=verification, **warp)
+        lv0 = out.stats.levels[0]
+        assert 50 < lv0.lookups < lv0.proposals and 0 < out.stats.levels[1].accepted < out.stats.levels[1].proposed
 
 
-@pytest.mark.parametrize("strategy", ["hispec", "ngram"])
+@pytest.mark.parametrize("strategy", ["hispec", "ngram", "self-spec-lookup"])
 def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch, strategy):
     model = _tiny_vocab_model()
     prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)

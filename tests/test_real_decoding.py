@@ -46,7 +46,7 @@ def test_spec_bench_fp32_greedy_is_identical_to_hf(demo_model_dir, spec_bench_pr
     cal = latency.calibrate(model, [[1, 2, 3, 4]], max_new_tokens=8, repeats=2)
     model.hispec_config.calibration = dataclasses.replace(cal, acceptance={k: 0.6 for k in cal.acceptance},
                                                           ngram_match=0.5).to_dict()
-    for strategy in ("self-spec", "hispec", "ngram-hispec", "auto"):
+    for strategy in ("self-spec", "hispec", "ngram-hispec", "self-spec-lookup", "auto"):
         out = model.generate(ids, mask, max_new_tokens=128, strategy=strategy, gamma=3, window=4)
         for b, new in enumerate(out.new_tokens):
             assert new == ref[b], f"{strategy} row {b} differs from transformers' greedy output"
@@ -63,7 +63,7 @@ def test_bf16_ar_is_bit_identical_and_speculation_parts_only_at_rounding_ties(de
         ids, mask = encode_prompts(model.tokenizer, [text])
         ref = _reference(model, ids, mask, n_new)[0]
         assert model.generate(ids, mask, max_new_tokens=n_new, strategy="ar").new_tokens[0] == ref
-        for strategy in ("self-spec", "hispec", "ngram-hispec"):
+        for strategy in ("self-spec", "hispec", "ngram-hispec", "self-spec-lookup"):
             new = model.generate(ids, mask, max_new_tokens=n_new, strategy=strategy, gamma=3, window=4).new_tokens[0]
             margin = ties.margin(ids, mask, ref, new)
             assert margin is None or abs(margin) < 0.5, f"{strategy} left hf at a clear (non-tie) margin {margin}"

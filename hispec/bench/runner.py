@@ -448,6 +448,8 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
         levels = _auto_chain(model, cal, **kw) if name == "auto" else build_levels(model, parse_hierarchy(name, model),
                                                                                  **kw)
+        if levels[0].lookup:  # the latency model does not price the lookup-first level (`ngram|EXIT`) yet
+            continue
         names = [lv.name for lv in levels]
         t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
         if name == "auto":  # rows may also decode plainly: the better of the two

@@ -487,8 +487,8 @@ def _add_stats(into: GenerationStats, st: GenerationStats) -> None:
         if t is None:
             t = by[name] = LevelStats(name)
             into.levels.append(t)
-        for f in ("proposed", "accepted", "rejections", "proposals", "passes", "row_passes", "layer_evals",
-                  "seconds"):
+        for f in ("proposed", "accepted", "rejections", "proposals", "lookups", "passes", "row_passes",
+                  "layer_evals", "seconds"):
             setattr(t, f, getattr(t, f) + getattr(lv, f))
     into.prefill_seconds += st.prefill_seconds
     into.new_tokens += st.new_tokens
