@@ -7,6 +7,7 @@ stands in for a real model; one `real_model` test runs a short bench on the Smol
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 
 import pytest
@@ -320,6 +321,39 @@ def test_demo_short_training_run_launches_the_recipe_on_the_local_model(tmp_path
     i = cmd.index("--model_name_or_path")
     assert cmd[i + 1] == str(tmp_path / "model")
     assert cmd[cmd.index("--max_steps") + 1] == "7" and cmd[-2:] == ["--seed", "1"]  # extra arguments win
+
+
+def test_demo_exports_the_shipped_artifact_with_its_own_settings_and_a_fresh_run_with_the_defaults():
+    demo = _demo_tool()
+    args = demo.build_parser().parse_args([])
+    assert demo.export_options(args, shipped=True) == []
+    assert demo.export_options(args, shipped=False) == ["--draft-vocab-size", "8192", "--verify-vocab-size", "8192",
+                                                        "--gamma", "2", "--window", "4"]
+    args = demo.build_parser().parse_args(["--gamma", "3", "--verify-vocab-size", "0"])
+    assert demo.export_options(args, shipped=True) == ["--verify-vocab-size", "0", "--gamma", "3"]
+
+
+@pytest.mark.parametrize("artifact, layers, vocab, decoding", [
+    ("smollm2-135m", (4, 8), 8192, {"gamma": 2, "window": 4}),
+    ("qwen2.5-coder-1.5b-instruct", (4, 7), 8192, {"gamma": 1, "window": 2}),
+])
+def test_shipped_artifacts_record_the_configuration_a_plain_export_reproduces(artifact, layers, vocab, decoding):
+    """What `make demo` and the README measured must come out of `hispec-export ARTIFACT` with no flags: the
+    vocabularies as integer ids in the heads, gamma and window in the record."""
+    from safetensors import safe_open
+
+    from hispec.model import HispecConfig
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "recipes" / "artifacts" / artifact
+    hconf = HispecConfig.from_dict(json.loads((folder / "hispec_train.json").read_text())["hispec"])
+    assert (hconf.draft_layer, hconf.verify_layer) == layers
+    assert (hconf.draft_vocab_size, hconf.verify_vocab_size) == (vocab, vocab)
+    assert {"gamma": hconf.gamma, "window": hconf.window} == decoding
+    with safe_open(str(folder / "hispec_heads.safetensors"), framework="pt") as f:
+        for name in ("draft", "verify"):
+            ids = f.get_tensor(f"{name}.vocab")
+            assert ids.dtype == torch.long and ids.numel() == vocab and bool((ids[1:] > ids[:-1]).all())
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 50 * 2**20
 
 
 def test_calibrate_stores_a_calibration_and_auto_then_runs(checkpoint, prompts_file, capsys, tmp_path):

@@ -24,6 +24,7 @@ import hispec
 from hispec import export as ex
 from hispec.cli.export import main
 from hispec.model import FORMAT_VERSION, HEADS_FILE, CheckpointError, EarlyExitModel
+from conftest import load_tool
 from tiny import tiny_config, tiny_model
 
 IDS = torch.tensor([[3, 17, 42, 5, 8, 60, 21, 9]])
@@ -544,6 +545,38 @@ def test_reduced_head_vocabularies_are_counted_on_data_and_kept_by_the_checkpoin
     assert main([str(train_dir), "--output-dir", str(bad), "--draft-vocab-size", "100000"]) == 1
     assert main([str(train_dir), "--output-dir", str(bad), "--gamma", "0"]) == 1
     assert not bad.exists()
+
+
+def test_packed_artifact_reproduces_its_configuration_through_a_plain_export(train_dir, trained, base_dir, tmp_path):
+    """tools/pack_artifact.py writes vocabularies, gamma, window and heads dtype into the folder, so a plain
+    `hispec-export ARTIFACT --output-dir OUT` (no flags) yields them; other files are kept, in place too."""
+    pack = load_tool("pack_artifact")
+    art = tmp_path / "artifact"
+    shutil.copytree(train_dir, art)
+    (art / "README.md").write_text("# how these heads were made\n")
+    (art / "checkpoint-50").mkdir()  # training leftovers are not shipped
+    data = tmp_path / "text.jsonl"
+    data.write_text(json.dumps({"text": "t50 t50 t61 t70"}) + "\n")
+    assert pack.main([str(art), str(art), "--draft-vocab-size", "6", "--verify-vocab-size", "0", "--vocab-data",
+                      str(data), "--gamma", "2", "--window", "5", "--heads-dtype", "bf16"]) == 0
+    assert (art / "README.md").read_text() == "# how these heads were made\n" and (art / "metrics.json").is_file()
+    assert not (art / "checkpoint-50").exists() and not list(tmp_path.glob(".artifact.*"))
+    with safe_open(str(art / HEADS_FILE), framework="pt") as f:
+        assert f.get_tensor("draft.vocab").dtype == torch.long and "verify.vocab" not in f.keys()
+        assert f.get_tensor("draft.norm.weight").dtype == torch.bfloat16
+    record = json.loads((art / "hispec_train.json").read_text())
+    assert record["heads_dtype"] == "bfloat16" and record["hispec"]["base"]["name_or_path"] == str(base_dir)
+    out = tmp_path / "plain"
+    assert main([str(art), "--output-dir", str(out)]) == 0
+    model = hispec.load(out)
+    assert (model.hispec_config.gamma, model.hispec_config.window) == (2, 5)
+    draft = model.heads["draft"].vocab.tolist()
+    assert len(draft) == 6 and {1, 50, 61, 70} <= set(draft) and model.heads["verify"].vocab is None
+    ref = model.base.generate(IDS, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for strategy in ("self-spec", "hispec"):
+        got = model.generate(IDS, max_new_tokens=8, strategy=strategy, eos_token_id=[])
+        assert torch.equal(got.sequences, ref), strategy
+    assert pack.main([str(art), str(tmp_path / "bad"), "--gamma", "0"]) == 2 and not (tmp_path / "bad").exists()
 
 
 def test_verification_default_is_written_into_the_checkpoint(train_dir, tmp_path):

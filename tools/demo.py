@@ -12,7 +12,8 @@ inputs did not change:
 3. `hispec-export` into <cache>/demo-hispec (reused while the heads and base are the same);
 4. `hispec-bench --calibrate`: the latency model is calibrated on this machine (on Spec-Bench prompts the
    benchmark does not run) and stored in the checkpoint, then Spec-Bench prompts are decoded with hf,
-   hf-prompt-lookup, self-spec, hispec, ngram and auto (the default decoding: the latency-optimal hierarchy,
+   hf-prompt-lookup, self-spec, self-spec-lookup (the n-gram lookup first, the exit where it misses), hispec,
+   ngram and auto (the default decoding: the latency-optimal hierarchy,
    adapted per row; fp32, greedy); it prints the table and ends stdout with one JSON line ("lossless",
    "headline": "auto", "speedup_vs_hf", ...).
 Progress and logs go to stderr. Exit status: hispec-bench's (0 ok, 1 not lossless, 2 bad input); 3 when a step
@@ -40,11 +41,13 @@ ACCELERATE_CONFIG = REPO / "recipes" / "accelerate" / "cpu.yaml"
 HEADS_FILE = "hispec_heads.safetensors"
 TRAIN_INFO_FILE = "hispec_train.json"
 SPEC_BENCH = Path("eval") / "spec_bench_question.jsonl"
-STRATEGIES = "hf,hf-prompt-lookup,self-spec,hispec,ngram,auto"
+STRATEGIES = "hf,hf-prompt-lookup,self-spec,self-spec-lookup,hispec,ngram,auto"
 # A short run of the recipe (its header's "quick check", a little longer): ~10-15 min on 2 idle cores.
-# Export options: 8k-token output vocabularies for both exit heads (the full 49k-row lm_head costs ~4 decoder layers
-# here, 8k rows ~0.3; coverage of SmolLM2's own answer tokens 0.87) and the decoding defaults that were fastest in
-# the README's measurements with these weak heads (tools/cost_model.py explains why a small gamma wins).
+# Export options for a fresh training run (--retrain): 8k-token output vocabularies for both exit heads (the full
+# 49k-row lm_head costs ~4 decoder layers here, 8k rows ~0.3; coverage of SmolLM2's own answer tokens 0.87) and the
+# decoding defaults that were fastest in the README's measurements with these weak heads (tools/cost_model.py
+# explains why a small gamma wins). The shipped artifact records the same settings itself (tools/pack_artifact.py),
+# so its plain export needs no flags; a flag given here overrides the artifact's.
 DRAFT_VOCAB = VERIFY_VOCAB = 8192
 GAMMA, WINDOW = 2, 4
 SHORT_RUN = ["--max_samples_per_file", "48", "--gen_max_new_tokens", "96", "--eval_steps", "0",
@@ -161,6 +164,18 @@ def export_checkpoint(train_dir: Path, model_dir: Path, cache: Path, export_args
     return out_dir
 
 
+def export_options(args, shipped: bool) -> list[str]:
+    """hispec-export flags: those given, plus the retrain defaults for a fresh run (a shipped artifact has its own)."""
+    defaults = {} if shipped else {"draft_vocab_size": DRAFT_VOCAB, "verify_vocab_size": VERIFY_VOCAB,
+                                   "gamma": GAMMA, "window": WINDOW}
+    out = []
+    for key in ("draft_vocab_size", "verify_vocab_size", "gamma", "window"):
+        value = getattr(args, key) if getattr(args, key) is not None else defaults.get(key)
+        if value is not None:
+            out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/demo.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -183,12 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "but speculative outputs may part from hf at rounding-level near-ties)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--strategies", default=STRATEGIES, help=f"strategies to compare (default {STRATEGIES})")
-    p.add_argument("--draft-vocab-size", type=int, default=DRAFT_VOCAB,
-                   help=f"reduced output vocabulary of the exported draft head (default {DRAFT_VOCAB}; 0 = full)")
-    p.add_argument("--verify-vocab-size", type=int, default=VERIFY_VOCAB,
-                   help=f"the same for the verifier head (default {VERIFY_VOCAB}; 0 = full)")
-    p.add_argument("--gamma", type=int, default=GAMMA, help=f"decoding default written at export (default {GAMMA})")
-    p.add_argument("--window", type=int, default=WINDOW, help=f"decoding default written at export (default {WINDOW})")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help=f"reduced output vocabulary of the exported draft head, 0 = full (default: the shipped "
+                        f"artifact's; {DRAFT_VOCAB} after --retrain)")
+    p.add_argument("--verify-vocab-size", type=int, default=None,
+                   help=f"the same for the verifier head (default: the artifact's; {VERIFY_VOCAB} after --retrain)")
+    p.add_argument("--gamma", type=int, default=None,
+                   help=f"decoding default written at export (default: the artifact's; {GAMMA} after --retrain)")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"decoding default written at export (default: the artifact's; {WINDOW} after --retrain)")
     return p
 
 
@@ -217,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"    no shipped heads in {SHIPPED_HEADS.relative_to(REPO)}/: a short training run instead")
             train_dir = train_heads(model_dir, cache, args.max_steps, args.train_arg, force=args.retrain)
         log("3/4 export")
-        export_args = ["--draft-vocab-size", str(args.draft_vocab_size), "--verify-vocab-size",
-                       str(args.verify_vocab_size), "--gamma", str(args.gamma), "--window", str(args.window)]
+        export_args = export_options(args, shipped=train_dir == SHIPPED_HEADS)
         ckpt = export_checkpoint(train_dir, model_dir, cache, export_args)
     except DemoError as e:
         log(f"error: {e}")

@@ -1,0 +1,99 @@
+"""Pack a train/heads.py output folder as a shippable artifact (`recipes/artifacts/<model>/`).
+
+An artifact is a `hispec-export` input folder whose plain export (`hispec-export ARTIFACT --base MODEL --output-dir
+OUT`, no other flags) reproduces the fastest measured configuration. So this writes into it what export would
+otherwise take from flags: the output vocabularies (as integer ids inside the heads file), the decoding defaults
+(gamma, window) and the heads' storage dtype (bf16 halves a shipped artifact). Everything else of the run folder
+(metrics.json, a README, plots) is copied; training checkpoints and caches are not. The write is atomic, so
+packing an artifact in place (RUN == OUT) keeps its other files and never leaves a half-written folder.
+
+It reuses export's own loading (`build_model`: base + heads, checked against each other) and vocabulary choice
+(`restrict_vocab`: the run's self-distilled answers, `--vocab-data` files, else token-id order), so the packed
+heads are exactly what that export would have produced.
+
+    python tools/pack_artifact.py runs/my-run recipes/artifacts/my-model --gamma 1 --window 2 --heads-dtype bf16
+    python tools/pack_artifact.py recipes/artifacts/smollm2-135m recipes/artifacts/smollm2-135m \\
+        --draft-vocab-size 8192 --verify-vocab-size 8192 --gamma 2 --window 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hispec.export import HEADS_FILE, TRAIN_FILE, ExportError, build_model, read_train_output, restrict_vocab  # noqa: E402
+from hispec.io import atomic_dir, dtype_name, parse_dtype, read_json, write_json  # noqa: E402
+
+
+def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_size=None, vocab_data=(),
+         gamma=None, window=None, heads_dtype=None) -> dict:
+    """Write the artifact; returns its hispec section (exits, vocabularies, decoding)."""
+    for flag, v in (("gamma", gamma), ("window", window)):
+        if v is not None and v < 1:
+            raise ExportError(f"--{flag} must be >= 1, got {v}")
+    run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
+    run = read_train_output(run_dir)
+    train = read_json(run_dir / TRAIN_FILE)
+    dtype = parse_dtype(heads_dtype or train.get("heads_dtype") or "fp32")
+    model = build_model(run, base, dtype=dtype)
+    if gamma is not None:
+        model.hispec_config.gamma = gamma
+    if window is not None:
+        model.hispec_config.window = window
+    if draft_vocab_size is not None or verify_vocab_size is not None:
+        restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, list(vocab_data))
+    # the run's base identity as recorded (e.g. ~/.cache/... so the artifact works on any machine), not the
+    # absolute path this machine resolved it to
+    hispec = {**model.hispec_config.to_dict(), "base": run.hispec.get("base", model.hispec_config.base)}
+    train["hispec"] = hispec
+    train["heads_dtype"] = dtype_name(model.dtype)
+    state = model.heads_state_dict()
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        tmp = Path(tmp)
+        for f in run_dir.iterdir():  # keep README, metrics, plots; skip checkpoints, caches, the rewritten pair
+            if f.is_file() and f.name not in (HEADS_FILE, TRAIN_FILE):
+                shutil.copy2(f, tmp / f.name)
+        save_file(state, str(tmp / HEADS_FILE), metadata={"format": "pt", "hispec": "1"})
+        write_json(tmp / TRAIN_FILE, train)
+        tmp.chmod(0o755)  # a temporary folder is private; a shipped one is not
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+    return hispec
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="train/heads.py output folder (or an artifact to repack)")
+    p.add_argument("output", help="artifact folder to write (may be the same folder)")
+    p.add_argument("--base", help="base model (default: the one the run recorded)")
+    p.add_argument("--draft-vocab-size", type=int, help="draft head's output vocabulary (0 = full)")
+    p.add_argument("--verify-vocab-size", type=int, help="verifier head's output vocabulary (0 = full)")
+    p.add_argument("--vocab-data", nargs="*", default=[], help="files to count tokens on (default: the run's "
+                   "self-distilled answers, else token-id order)")
+    p.add_argument("--gamma", type=int, help="decoding default: drafts per round")
+    p.add_argument("--window", type=int, help="decoding default: tokens before full verification")
+    p.add_argument("--heads-dtype", help="store the heads as fp32 or bf16 (default: as the run stored them)")
+    args = p.parse_args(argv)
+    try:
+        h = pack(args.run, args.output, base=args.base, draft_vocab_size=args.draft_vocab_size,
+                 verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data, gamma=args.gamma,
+                 window=args.window, heads_dtype=args.heads_dtype)
+    except (ExportError, OSError, ValueError) as e:
+        print(f"pack_artifact: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"output": str(Path(args.output).absolute()), "exits": h.get("exits"),
+                      "decoding": h.get("decoding")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
