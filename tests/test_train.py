@@ -155,16 +155,33 @@ def _run_killed_after(monkeypatch, step, argv):
     monkeypatch.undo()
 
 
-def _assert_same_run(straight, resumed, steps=(0, 3, 6, 9)):
+def _leaves(d, prefix=""):
+    """A nested metrics dict -> {"a.b": leaf}."""
+    out = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _assert_same_run(straight, resumed, steps=(0, 3, 6, 9), tol=None):
     """The resumed run ended with the straight run's heads (bit for bit), evaluation steps and final metrics."""
     a, b = _heads(straight), _heads(resumed)
     assert sorted(a) == sorted(b)
     for k in a:
-        assert torch.equal(a[k], b[k]), k
+        if tol is None:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
     ma = json.loads((straight / "metrics.json").read_text())
     mb = json.loads((resumed / "metrics.json").read_text())
     assert [h["step"] for h in mb["history"]] == [h["step"] for h in ma["history"]] == list(steps)
-    assert mb["final"] == ma["final"]
+    if tol is None:
+        assert mb["final"] == ma["final"]
+    else:
+        fa, fb = _leaves(ma["final"]), _leaves(mb["final"])
+        assert fa.keys() == fb.keys()
+        for k, v in fa.items():
+            assert fb[k] == (pytest.approx(v, rel=tol, abs=tol) if isinstance(v, float) else v), k
 
 
 def test_resume_after_kill_equals_uninterrupted_run(env, tmp_path, monkeypatch):
@@ -369,7 +386,10 @@ def test_training_from_a_full_vocabulary_fp32_cache_equals_training_on_the_fly(e
 def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path):
     """tests/fixtures/resume-53f8a82/step_4 was written by the trainer as of commit 53f8a82 (before the
     distillation core moved to hispec/distill/) in the run of the test above, killed after step 5; resuming it
-    with today's trainer ends with the same heads and metrics as an uninterrupted run."""
+    with today's trainer ends with the same heads and metrics as an uninterrupted run. Up to float rounding only:
+    its first 4 steps ran on the CPU that wrote the fixture, and another CPU's kernels round differently (an
+    Intel Xeon with AMX against the AMD EPYC of that session), so bit-identity holds only for resumes on one
+    machine (the test above). A broken resume (wrong step, optimizer or data position) is off by far more."""
     import shutil
 
     common = ("--max_steps", "9", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "2",
@@ -379,7 +399,7 @@ def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path)
     old = tmp_path / "old"
     shutil.copytree(REPO / "tests" / "fixtures" / "resume-53f8a82", old / "checkpoints")
     assert _run(_argv(env, old, *common, "--resume_from_checkpoint", "latest")) == 0
-    _assert_same_run(straight, old)
+    _assert_same_run(straight, old, tol=1e-4)
 
 
 def test_feature_cache_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):
