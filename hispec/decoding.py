@@ -503,13 +503,11 @@ class _Run:
             if self.do_sample:
                 probs = logits_to_probs(logits, **self.warp)
                 token = sample(probs, self.generator)
-                if self.K and not self.levels[0].lookup:
-                    self._store_rows(0, self.seq, probs[:, None])
+                if self.K:  # (`ngram|EXIT`: only the exit's rows; the lookup's rows hold their point masses)
+                    self._store_rows(0, self.seq, probs[:, None], only=grow if self.levels[0].lookup else None)
             else:
                 token = logits.argmax(-1)
             pos = self.seq.clamp(max=self.tok.shape[1] - 1)
-            if self.do_sample and self.K and self.levels[0].lookup:
-                self._store_rows(0, self.seq, probs[:, None], only=grow)
             self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
             self.seq = self.seq + grow.long()
             st.proposed += int(grow.sum()) if self.K else 0

@@ -554,11 +554,7 @@ def export(
     the calibration goes into its config.json and the model card states the predicted speeds. A failure there
     leaves the exported checkpoint valid, without a calibration.
     """
-    for flag, v in (("gamma", gamma), ("window", window)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ExportError(f"--{flag} must be an integer >= 1, got {v!r}")
-    if verification is not None and verification not in VERIFICATIONS:
-        raise ExportError(f"--verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
+    check_options(gamma=gamma, window=window, verification=verification)
     out = Path(output_dir).absolute()
     train_dir = Path(train_dir).absolute()
     if out.exists() and not overwrite:
@@ -568,14 +564,8 @@ def export(
         if protected and Path(protected).exists() and Path(protected).absolute().resolve() == out.resolve():
             raise ExportError(f"--output-dir {out} is an input of this export; choose another folder")
     model = build_model(run, base, base_revision=base_revision, dtype=dtype)
-    if gamma is not None:
-        model.hispec_config.gamma = gamma
-    if window is not None:
-        model.hispec_config.window = window
-    if verification is not None:
-        model.hispec_config.verification = verification
-    if draft_vocab_size is not None or verify_vocab_size is not None:
-        restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, vocab_data)
+    apply_options(model, run, gamma=gamma, window=window, verification=verification,
+                  draft_vocab_size=draft_vocab_size, verify_vocab_size=verify_vocab_size, vocab_data=vocab_data)
     source = model.hispec_config.base["name_or_path"]
     card_base_model = _card_base_model(run, model, base_model_id)
     card_license = license or base_license(source, model.hispec_config.base.get("revision"))
@@ -598,6 +588,28 @@ def export(
                               "without a calibration (decoding then defaults to plain)") from e
         result.files = list_files(out)
     return result
+
+
+def check_options(*, gamma=None, window=None, verification=None) -> None:
+    """Export's decoding options, checked before any work (also tools/pack_artifact.py's)."""
+    for flag, v in (("gamma", gamma), ("window", window)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ExportError(f"--{flag} must be an integer >= 1, got {v!r}")
+    if verification is not None and verification not in VERIFICATIONS:
+        raise ExportError(f"--verification must be one of {', '.join(VERIFICATIONS)}, got {verification!r}")
+
+
+def apply_options(model: EarlyExitModel, run: TrainRun, *, gamma=None, window=None, verification=None,
+                  draft_vocab_size=None, verify_vocab_size=None, vocab_data=()) -> None:
+    """Write export's options into the model: decoding defaults (None keeps the run's) and reduced vocabularies."""
+    if gamma is not None:
+        model.hispec_config.gamma = gamma
+    if window is not None:
+        model.hispec_config.window = window
+    if verification is not None:
+        model.hispec_config.verification = verification
+    if draft_vocab_size is not None or verify_vocab_size is not None:
+        restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, vocab_data)
 
 
 def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: int = 64, dtype=None,

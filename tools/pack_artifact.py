@@ -8,7 +8,7 @@ otherwise take from flags: the output vocabularies (as integer ids inside the he
 packing an artifact in place (RUN == OUT) keeps its other files and never leaves a half-written folder.
 
 It reuses export's own loading (`build_model`: base + heads, checked against each other) and vocabulary choice
-(`restrict_vocab`: the run's self-distilled answers, `--vocab-data` files, else token-id order), so the packed
+(`apply_options` / `restrict_vocab`: the run's self-distilled answers, `--vocab-data` files, else token-id order), so the packed
 heads are exactly what that export would have produced.
 
     python tools/pack_artifact.py runs/my-run recipes/artifacts/my-model --gamma 1 --window 2 --heads-dtype bf16
@@ -30,27 +30,22 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from hispec.export import HEADS_FILE, TRAIN_FILE, ExportError, build_model, read_train_output, restrict_vocab  # noqa: E402
+from hispec.export import (HEADS_FILE, TRAIN_FILE, ExportError, apply_options, build_model,  # noqa: E402
+                           check_options, read_train_output)
 from hispec.io import atomic_dir, dtype_name, parse_dtype, read_json, write_json  # noqa: E402
 
 
 def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_size=None, vocab_data=(),
          gamma=None, window=None, heads_dtype=None) -> dict:
     """Write the artifact; returns its hispec section (exits, vocabularies, decoding)."""
-    for flag, v in (("gamma", gamma), ("window", window)):
-        if v is not None and v < 1:
-            raise ExportError(f"--{flag} must be >= 1, got {v}")
+    check_options(gamma=gamma, window=window)
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
     run = read_train_output(run_dir)
     train = read_json(run_dir / TRAIN_FILE)
     dtype = parse_dtype(heads_dtype or train.get("heads_dtype") or "fp32")
     model = build_model(run, base, dtype=dtype)
-    if gamma is not None:
-        model.hispec_config.gamma = gamma
-    if window is not None:
-        model.hispec_config.window = window
-    if draft_vocab_size is not None or verify_vocab_size is not None:
-        restrict_vocab(model, run, draft_vocab_size, verify_vocab_size, list(vocab_data))
+    apply_options(model, run, gamma=gamma, window=window, draft_vocab_size=draft_vocab_size,
+                  verify_vocab_size=verify_vocab_size, vocab_data=list(vocab_data))
     # the run's base identity as recorded (e.g. ~/.cache/... so the artifact works on any machine), not the
     # absolute path this machine resolved it to
     hispec = {**model.hispec_config.to_dict(), "base": run.hispec.get("base", model.hispec_config.base)}
