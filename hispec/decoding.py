@@ -53,7 +53,7 @@ import torch
 
 from . import latency
 from .heads import ContextInputs
-from .latency import Calibration, CalibrationError, best_hierarchy
+from .latency import LOOKUP, Calibration, CalibrationError, best_hierarchy, level_pairs
 from .ngram import NgramConfig, propose_batch
 from .sampling import check_verification, greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
 from .tree import check_tree, parse_tree, tree_round
@@ -68,7 +68,6 @@ NAMED = {
     "self-spec-lookup": ("ngram|draft", "full"),
     "hispec-lookup": ("ngram|draft", "verify", "full"),
 }
-LOOKUP = "ngram|"  # a level-0 name `ngram|EXIT`: the n-gram lookup first, the exit where it finds nothing
 STRATEGIES = ("auto",) + tuple(NAMED)
 
 
@@ -731,7 +730,8 @@ class _AutoPolicy:
     accepted tokens and of rejections (each observation round: `acc = DECAY * acc + accepted`, `rej = DECAY * rej +
     (accepted < proposed)`), started from the calibration's acceptance with the weight of PRIOR rounds; its
     acceptance estimate is the i.i.d. maximum-likelihood `acc / (acc + rej)` (`latency.acceptance_from_counts`), and
-    for an n-gram level 0 also its match rate. Before every round the rule picks, per row, the lowest level s the
+    for an n-gram level 0 also its match rate. A lookup-first level 0 (`ngram|EXIT`) has two rates, counted apart by
+    who proposed a row's round: its exit's (like any exit) and its n-gram's, and the lookup's match rate. Before every round the rule picks, per row, the lowest level s the
     row uses (s = K: plain decoding) and the gammas of levels s..K-1 minimising the latency model's predicted time
     per token (`latency.best_gammas`) under the row's own estimates, and writes them into `gam` (0 below s).
     A row that has switched level s-1 off keeps measuring it almost for free: when level s produces a token itself,
@@ -756,9 +756,16 @@ class _AutoPolicy:
         self.latency, self.cal, self.chain, self.max_gamma = latency, cal, chain, max_gamma
         self.names = [lv.name for lv in chain]
         K = len(chain) - 1
-        prior = [float(cal.acceptance.get(f"{a}>{b}", 0.0)) for a, b in zip(self.names, self.names[1:])]
+        # per adjacent pair (i -> i+1) the rates its verification depends on: its own, or for a lookup-first level 0
+        # its exit's (estimated in acc/rej, like any exit) and the n-gram's (in lacc/lrej)
+        self.pairs = [level_pairs(a, b) for a, b in zip(self.names, self.names[1:])]
+        self.lookup = bool(chain[0].lookup)
+        prior = [float(cal.acceptance.get(p[0], 0.0)) for p in self.pairs]
         self.acc = torch.tensor([[self.PRIOR * p for p in prior]] * B, dtype=torch.float64).reshape(B, K)
         self.rej = torch.tensor([[self.PRIOR * (1 - p) for p in prior]] * B, dtype=torch.float64).reshape(B, K)
+        p_ng = float(cal.acceptance.get(self.pairs[0][1], 0.0)) if self.lookup else 0.0
+        self.lacc = torch.full((B,), self.PRIOR * p_ng, dtype=torch.float64)
+        self.lrej = torch.full((B,), self.PRIOR * (1 - p_ng), dtype=torch.float64)
         match = float(getattr(cal, "ngram_match", 0.0) or 0.0)
         self.hit = torch.full((B,), self.PRIOR * match, dtype=torch.float64)
         self.miss = torch.full((B,), self.PRIOR * (1 - match), dtype=torch.float64)
@@ -766,11 +773,15 @@ class _AutoPolicy:
         self.lowest = torch.full((B,), K, dtype=torch.long)
         self._shadow_tick = 0
 
+    ROW_STATE = ("acc", "rej", "lacc", "lrej", "hit", "miss", "lowest")
+
     # ---------------------------------------------------------------- estimates
-    def _update(self, i: int, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):
+    def _update(self, i: int | None, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):
+        """Decay and count, for pair i (None: the lookup-first level's n-gram)."""
         if rows.numel():
-            self.acc[rows, i] = self.DECAY * self.acc[rows, i] + accepted.double()
-            self.rej[rows, i] = self.DECAY * self.rej[rows, i] + rejected.double()
+            acc, rej = (self.lacc, self.lrej) if i is None else (self.acc[:, i], self.rej[:, i])
+            acc[rows] = self.DECAY * acc[rows] + accepted.double()
+            rej[rows] = self.DECAY * rej[rows] + rejected.double()
 
     def _match(self, rows: torch.Tensor, hit: torch.Tensor):
         if rows.numel():
@@ -785,34 +796,51 @@ class _AutoPolicy:
         part, m, a = cpu(part), cpu(m), cpu(a)
         gam_off = cpu(run.gam[i]) == 0
         spoke = part & (m > 0)
-        rows = spoke.nonzero().flatten()
-        self._update(i, rows, a[rows].double(), (a[rows] < m[rows]).double())
-        if lower.kind == "ngram":
-            tried = part & (m == 0) & ~gam_off  # the n-gram was asked and found nothing
-            self._match(rows, torch.ones(len(rows)))
-            self._match(tried.nonzero().flatten(), torch.zeros(int(tried.sum())))
+        tried = part & ~gam_off  # level i was asked to propose
+        if lower.lookup:  # the rows the lookup served count for the n-gram's rate, the others for the exit's
+            served = spoke & cpu(run.exhausted)
+            for pair, rows in ((None, served), (i, spoke & ~served)):
+                rows = rows.nonzero().flatten()
+                self._update(pair, rows, a[rows].double(), (a[rows] < m[rows]).double())
+            self._match(tried.nonzero().flatten(), served[tried].double())
+        else:
+            rows = spoke.nonzero().flatten()
+            self._update(i, rows, a[rows].double(), (a[rows] < m[rows]).double())
+            if lower.kind == "ngram":
+                self._match(rows, torch.ones(len(rows)))
+                nothing = (tried & (m == 0)).nonzero().flatten()  # the n-gram was asked and found nothing
+                self._match(nothing, torch.zeros(len(nothing)))
         shadow = (part & (m == 0) & gam_off).nonzero().flatten()
         if not shadow.numel():
             return
+        if lower.kind == "ngram" or lower.lookup:
+            self._shadow_lookup(run, None if lower.lookup else i, shadow, new, probs)
+        if lower.kind == "exit":
+            self._shadow_exit(run, k, shadow, new, probs)
+
+    def _shadow_lookup(self, run: _Run, pair: int | None, shadow, new, probs):
+        """A switched-off lookup's first proposed token at the position the verifier just produced (every time)."""
         dev_rows = shadow.to(run.seq.device)
-        newt = new[dev_rows]
-        if lower.kind == "ngram":
-            ones = torch.ones_like(dev_rows)
-            props, n = propose_batch(run.tok[dev_rows], run.seq[dev_rows], ones.bool(), ones, run.ngram)
-            has = cpu(n) > 0
-            self._match(shadow, has.double())
-            if probs is not None:
-                x = probs[dev_rows, 0].gather(-1, props[:, :1])[:, 0]
-            else:
-                x = (props[:, 0] == newt).double()
-            x = cpu(x).double()[has]
-            self._update(i, shadow[has], x, 1 - x)
-            return
+        ones = torch.ones_like(dev_rows)
+        props, n = propose_batch(run.tok[dev_rows], run.seq[dev_rows], ones.bool(), ones, run.ngram)
+        has = n.cpu() > 0
+        self._match(shadow, has.double())
+        if probs is not None:
+            x = probs[dev_rows, 0].gather(-1, props[:, :1])[:, 0]
+        else:
+            x = (props[:, 0] == new[dev_rows]).double()
+        x = x.detach().cpu().double()[has]
+        self._update(pair, shadow[has], x, 1 - x)
+
+    def _shadow_exit(self, run: _Run, k: int, shadow, new, probs):
+        """A switched-off exit's proposal at that position (every SHADOW_EVERY-th time)."""
+        i = k - 1
         if run.state_heads[i] is not None:  # a `layer` head needs its own KV: no free shadow, keep the estimate
             return
         self._shadow_tick += 1
         if self._shadow_tick % self.SHADOW_EVERY:  # an exit head costs a few % of a plain step: sample, not always
             return
+        dev_rows = shadow.to(run.seq.device)
         # the switched-off exit's state at each row's last known position (all rows: one batched head call)
         last = (run.seq - 1).clamp(min=0)
         h = run.hid[k][torch.arange(len(last), device=last.device), last][:, None]
@@ -821,21 +849,24 @@ class _AutoPolicy:
             q = logits_to_probs(logits, **run.warp)
             x = torch.minimum(q, probs[dev_rows, 0]).sum(-1)
         else:
-            x = (logits.argmax(-1) == newt).double()
-        x = cpu(x).double()
+            x = (logits.argmax(-1) == new[dev_rows]).double()
+        x = x.detach().cpu().double()
         self._update(i, shadow, x, 1 - x)
 
     # ---------------------------------------------------------------- choice
     def choose(self, run: _Run):
         alphas = self.acc / (self.acc + self.rej).clamp(min=1e-9)  # [B, K]: latency.acceptance_from_counts
+        lookup = self.lacc / (self.lacc + self.lrej).clamp(min=1e-9)
         match = self.hit / (self.hit + self.miss).clamp(min=1e-9)
         K = len(self.chain) - 1
         gam = [g.clone() for g in run.gam]
-        pairs = [f"{a}>{b}" for a, b in zip(self.names, self.names[1:])]
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
-            gs = self.latency.best_gammas(self.names, self.cal, dict(zip(pairs, alphas[b].tolist())),
-                                          max_gamma=self.max_gamma, ngram_match=float(match[b]), margin=margin)
+            rates = {p[0]: a for p, a in zip(self.pairs, alphas[b].tolist())}
+            if self.lookup:
+                rates[self.pairs[0][1]] = float(lookup[b])
+            gs = self.latency.best_gammas(self.names, self.cal, rates, max_gamma=self.max_gamma,
+                                          ngram_match=float(match[b]), margin=margin)
             self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
             for i in range(K):
                 gam[i][b] = gs[i]
@@ -844,14 +875,13 @@ class _AutoPolicy:
         run.stats.plain_row_rounds += int((self.lowest == K).sum())
 
     def extend(self, other: "_AutoPolicy"):
-        self.acc, self.rej, self.hit, self.miss, self.lowest = (
-            torch.cat([a, b]) for a, b in zip((self.acc, self.rej, self.hit, self.miss, self.lowest),
-                                              (other.acc, other.rej, other.hit, other.miss, other.lowest)))
+        for name in self.ROW_STATE:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
     def keep_rows(self, idx: torch.Tensor):
         idx = idx.cpu()
-        self.acc, self.rej, self.hit, self.miss, self.lowest = (
-            t.index_select(0, idx) for t in (self.acc, self.rej, self.hit, self.miss, self.lowest))
+        for name in self.ROW_STATE:
+            setattr(self, name, getattr(self, name).index_select(0, idx))
 
 
 def _as_list(x) -> list[int]:
@@ -928,7 +958,10 @@ def _calibration(model):
 def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
     """The latency-optimal speculative hierarchy for the calibration (rows may still decode plainly)."""
     by_name = {f"L{model.hispec_config.layer_of(n)}": n for n in model.exit_names}
-    candidates = (["ngram"] if cal.acceptance.get("ngram>full") is not None else []) + list(by_name)
+    by_name.update({LOOKUP + k: LOOKUP + v for k, v in by_name.items()})
+    exits = [n for n in by_name if not n.startswith(LOOKUP)]
+    lookups = ["ngram"] + [LOOKUP + n for n in exits] if cal.acceptance.get("ngram>full") is not None else []
+    candidates = lookups + exits
     choice = best_hierarchy(cal, candidates=candidates, speculative_only=True)
     names = [by_name.get(n, n) for n in choice.levels]
     return build_levels(model, names, list(choice.gammas) or None, gamma=gamma, window=window, ngram=ngram)

@@ -40,6 +40,18 @@ match: level k produces 1 token itself from a one-position pass V_0k(1). Per tok
 
                                        T_k      = (c + o + m V_0k(g+1) + (1-m) V_0k(1)) / (1 + m (E(a, g) - 1))
 
+The lookup-first level "ngram|Lk" as the bottom level i (`ngram|EXIT` in the decoder; T_i = D_k, its exit's draft
+step): every round first tries the lookup (cost c per draft step). With probability m it proposes (up to n =
+the calibration's `ngram.max_len` tokens), which level k verifies in one pass V_0k(n+1), yielding E(a_ng, n)
+tokens; otherwise the exit drafts g tokens (tried by the lookup before each) and level k verifies them, V_ik(g+1),
+yielding E(a_ik, g), with a_ik the exit's own rate (pair "Lk>U") and a_ng the n-gram's ("ngram>U"):
+
+            T_k = ((m + (1-m) g) c + m (o + V_0k(n+1)) + (1-m) (g T_i + V_ik(g+1) + o)) / (m E(a_ng, n) + (1-m) E(a_ik, g))
+
+again increasing affine in T_i. m is the n-gram's match rate per round measured under plain verification (a
+round the lookup misses advances one token there, E(a_ik, g) here, so the real rate per round differs a little;
+`auto` feeds the model each row's observed rate).
+
 How this follows Globerson et al. ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705), and
 where it differs: as there, each level's expected output per verification is E(a, g) under i.i.d. acceptance, the
 per-token latency of a hierarchy is a recursion over its levels, and T_k is an increasing affine function of T_i
@@ -97,6 +109,7 @@ from .ngram import NgramConfig, propose
 from .prompts import Prompt, render
 
 NGRAM, FULL = "ngram", "full"
+LOOKUP = "ngram|"  # "ngram|L4": the lookup-first exit level (the n-gram lookup, the exit where it finds nothing)
 CALIBRATION_VERSION = 1
 DEFAULT_MAX_GAMMA = 8
 
@@ -128,6 +141,18 @@ def acceptance_from_counts(accepted: int, proposed: int, rejections: int) -> flo
         raise ValueError(f"inconsistent counts: accepted {accepted} + rejections {rejections} > proposed {proposed}")
     n = accepted + rejections
     return accepted / n if n else None
+
+
+def lookup_exit(level: str) -> str | None:
+    """The exit level of a lookup-first level ("ngram|L4" -> "L4"), else None."""
+    return level[len(LOOKUP):] if level.startswith(LOOKUP) else None
+
+
+def level_pairs(lower: str, upper: str) -> list[str]:
+    """The acceptance rates a verification of `lower`'s tokens by `upper` depends on: one pair, or for a lookup-first
+    level its exit's and the n-gram's ("ngram|L4", "full" -> ["L4>full", "ngram>full"])."""
+    exit_level = lookup_exit(lower)
+    return [pair_key(lower, upper)] if exit_level is None else [pair_key(exit_level, upper), pair_key(NGRAM, upper)]
 
 
 def level_name(layer: int) -> str:
@@ -206,7 +231,9 @@ def _int_keys(table: dict) -> dict:
 class Calibration:
     """Measured inputs of the latency model for one model on one kind of machine (see the module docstring).
 
-    `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s};
+    `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s,
+    "layer_scale": x} (x: the factor by which a layer runs slower inside the decoder than timed alone, fitted by
+    `calibrate`; absent = 1);
     `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, ...} for every pair lower < upper; `ngram_match`: the
     share of the n-gram level's rounds whose lookup proposes anything; `measured`: tokens/s per strategy where a run
     measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
@@ -234,11 +261,21 @@ class Calibration:
     @property
     def levels(self) -> list[str]:
         """Every level this calibration can price, by depth: "ngram" (if measured), the exits, "full"."""
-        exits = sorted(int(name[1:]) for name in self.costs.get("head", {}))
-        out = [NGRAM] if self.costs.get("ngram") is not None else []
-        return out + [level_name(e) for e in exits] + [FULL]
+        exits = [level_name(e) for e in sorted(int(name[1:]) for name in self.costs.get("head", {}))]
+        if self.costs.get("ngram") is None:
+            return exits + [FULL]
+        return [NGRAM] + exits + [LOOKUP + e for e in exits] + [FULL]
+
+    @property
+    def ngram_max_len(self) -> int:
+        """The longest n-gram proposal the n-gram figures were measured with (a lookup-first level proposes that)."""
+        return int((self.ngram or {}).get("max_len", NgramConfig().max_len))
 
     def depth(self, level: str) -> int:
+        exit_level = lookup_exit(level)
+        if exit_level is not None and exit_level.startswith("L") and exit_level in self.costs.get("head", {}) \
+                and self.costs.get("ngram") is not None:
+            return int(exit_level[1:])
         if level == NGRAM:
             return 0
         if level == FULL:
@@ -248,11 +285,16 @@ class Calibration:
         raise ValueError(f"unknown level {level!r}; this calibration knows {', '.join(self.levels)}")
 
     def layer_cost(self, T: int) -> float:
-        return self._cached(("layer", T), lambda: interp(self.costs["layer"], T))
+        return self._cached(("layer", T), lambda: self.layer_scale * interp(self.costs["layer"], T))
+
+    @property
+    def layer_scale(self) -> float:
+        return float(self.costs.get("layer_scale") or 1.0)
 
     def head_cost(self, level: str, T: int) -> float:
         if level == FULL:
             return self._cached(("final", T), lambda: interp(self.costs["final"], T))
+        level = lookup_exit(level) or level
         return self._cached(("head", level, T), lambda: interp(self.costs["head"][level], T))
 
     @property
@@ -293,7 +335,8 @@ class Calibration:
             costs = {"layer": _int_keys(c["layer"]), "final": _int_keys(c["final"]),
                      "head": {name: _int_keys(t) for name, t in c.get("head", {}).items()},
                      "ngram": None if c.get("ngram") is None else float(c["ngram"]),
-                     "step_overhead": float(c.get("step_overhead", 0.0))}
+                     "step_overhead": float(c.get("step_overhead", 0.0)),
+                     "layer_scale": float(c.get("layer_scale") or 1.0)}
             model = dict(d["model"])
             model["exits"] = {k: int(v) for k, v in model.get("exits", {}).items()}
             return cls(machine=dict(d["machine"]), dtype=str(d["dtype"]), threads=int(d["threads"]), model=model,
@@ -345,8 +388,8 @@ class Calibration:
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def _alpha(cal: Calibration, acceptance: dict | None, lower: str, upper: str) -> float:
-    key = pair_key(lower, upper)
+def _alpha(cal: Calibration, acceptance: dict | None, key: str) -> float:
+    """The acceptance rate of the pair `key` ("L4>full"): `acceptance`'s, else the calibration's."""
     if acceptance and acceptance.get(key) is not None:
         return float(acceptance[key])
     if key not in cal.acceptance:
@@ -362,14 +405,27 @@ def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float
 
 
 def _draft_cost(cal: Calibration, level: str) -> float:
-    """D_b: one token from the bottom level's own one-position pass."""
+    """D_b: one token from the bottom level's own one-position pass (a lookup-first level: its exit's)."""
     return _pass_cost(cal, None, level, 1) + cal.step_overhead
 
 
-def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, alpha: float, match: float) -> float:
+def _bottom_cost(cal: Calibration, level: str) -> float:
+    """T of a bottom level: an n-gram lookup, else one draft step."""
+    return cal.ngram_cost if level == NGRAM else _draft_cost(cal, level)
+
+
+def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acceptance: dict | None,
+          match: float) -> float:
     """T_upper from T_lower (increasing affine in t_lower; see the module docstring)."""
     o = cal.step_overhead
+    alpha = _alpha(cal, acceptance, level_pairs(lower, upper)[0])
     E = expected_tokens(alpha, g)
+    if lookup_exit(lower) is not None:
+        m, c, n = min(max(match, 0.0), 1.0), cal.ngram_cost, cal.ngram_max_len
+        a_n = _alpha(cal, acceptance, pair_key(NGRAM, upper))
+        served = o + _pass_cost(cal, None, upper, n + 1)  # the lookup's n tokens verified in one pass
+        drafted = g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o  # the exit's g tokens, then verified
+        return ((m + (1 - m) * g) * c + m * served + (1 - m) * drafted) / (m * expected_tokens(a_n, n) + (1 - m) * E)
     if lower == NGRAM:
         m = min(max(match, 0.0), 1.0)
         return ((t_lower + o + m * _pass_cost(cal, None, upper, g + 1) + (1 - m) * _pass_cost(cal, None, upper, 1))
@@ -381,6 +437,8 @@ def _check_levels(cal: Calibration, levels) -> list[str]:
     levels = list(levels)
     if not levels or levels[-1] != FULL:
         raise ValueError(f"a hierarchy ends with 'full' (the model), got {levels}")
+    if any(lookup_exit(lv) is not None for lv in levels[1:]):
+        raise ValueError(f"a lookup-first level ({LOOKUP}EXIT) can only be the bottom level, got {levels}")
     depths = [cal.depth(lv) for lv in levels]  # raises for unknown levels
     if any(a >= b for a, b in zip(depths, depths[1:])):
         raise ValueError(f"levels must be ordered by strictly increasing depth, got {levels}")
@@ -405,10 +463,9 @@ def time_per_token(levels, gammas, cal: Calibration, acceptance: dict | None = N
     n-gram match rate."""
     levels, gammas = _active(_check_levels(cal, levels), gammas)
     match = cal.ngram_match if ngram_match is None else ngram_match
-    t = cal.ngram_cost if levels[0] == NGRAM else _draft_cost(cal, levels[0])
+    t = _bottom_cost(cal, levels[0])
     for i in range(1, len(levels)):
-        lo, hi = levels[i - 1], levels[i]
-        t = _step(cal, lo, hi, gammas[i - 1], t, _alpha(cal, acceptance, lo, hi), match)
+        t = _step(cal, levels[i - 1], levels[i], gammas[i - 1], t, acceptance, match)
     return t
 
 
@@ -452,17 +509,16 @@ def best_hierarchy(cal: Calibration, candidates=None, max_gamma: int = DEFAULT_M
     match = cal.ngram_match
     best: dict[str, tuple[float, list[str], list[int]]] = {}
     for k in cands:
-        if k == NGRAM:
-            best[k] = (cal.ngram_cost, [k], [])
+        if k == NGRAM or lookup_exit(k) is not None:  # bottom levels only
+            best[k] = (_bottom_cost(cal, k), [k], [])
             continue
         top = (math.inf if speculative_only and k == FULL else _draft_cost(cal, k), [k], [])
         for i in cands:
             if cal.depth(i) >= cal.depth(k):
-                break
+                continue
             t_i, lv, gm = best[i]
-            a = _alpha(cal, acceptance, i, k)
             for g in range(1, max_gamma + 1):
-                t = _step(cal, i, k, g, t_i, a, match)
+                t = _step(cal, i, k, g, t_i, acceptance, match)
                 if t < top[0]:
                     top = (t, lv + [k], gm + [g])
         best[k] = top
@@ -473,12 +529,11 @@ def best_hierarchy(cal: Calibration, candidates=None, max_gamma: int = DEFAULT_M
 def _best_chain(cal: Calibration, levels: list[str], acceptance: dict | None, match: float, max_gamma: int
                 ) -> tuple[float, list[int]]:
     """The best gammas (all >= 1) for a fixed chain: per level bottom-up (T_k is increasing in T_{k-1})."""
-    t = cal.ngram_cost if levels[0] == NGRAM else _draft_cost(cal, levels[0])
+    t = _bottom_cost(cal, levels[0])
     gammas = []
     for i in range(1, len(levels)):
         lo, hi = levels[i - 1], levels[i]
-        a = _alpha(cal, acceptance, lo, hi)
-        t, g = min((_step(cal, lo, hi, g, t, a, match), g) for g in range(1, max_gamma + 1))
+        t, g = min((_step(cal, lo, hi, g, t, acceptance, match), g) for g in range(1, max_gamma + 1))
         gammas.append(g)
     return t, gammas
 
@@ -495,7 +550,7 @@ def best_gammas(levels, cal: Calibration, acceptance: dict | None = None, max_ga
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     levels = _check_levels(cal, levels)
     match = cal.ngram_match if ngram_match is None else ngram_match
-    pairs = [pair_key(a, b) for i, a in enumerate(levels) for b in levels[i + 1:]]
+    pairs = {p for i, a in enumerate(levels) for b in levels[i + 1:] for p in level_pairs(a, b)}
     acc = {p: round(float(acceptance[p]), 2) for p in pairs if acceptance and acceptance.get(p) is not None}
     key = ("best_gammas", tuple(levels), tuple(sorted(acc.items())), round(match, 2), max_gamma, margin)
     memo = cal._memo.setdefault("best_gammas", {})
@@ -610,6 +665,9 @@ def named_hierarchies(cal: Calibration) -> dict[str, list[str]]:
         out["ngram"] = [NGRAM, FULL]
         if d:
             out["ngram>L_d"] = [NGRAM, d, FULL]
+            out["self-spec-lookup"] = [LOOKUP + d, FULL]
+        if d and v:
+            out["hispec-lookup"] = [LOOKUP + d, v, FULL]
     return out
 
 
@@ -856,6 +914,34 @@ def ngram_rounds(tokens: torch.Tensor, P: int, answer: list[int], upper_argmax: 
     return acc, proposed, rej, rounds, matched
 
 
+def fit_decoder_costs(step: float | None, draft: float | None, *, L: int, e: int, layer: float, final: float,
+                      head: float) -> tuple[float, float]:
+    """(layer_scale, step_overhead) from a measured plain decode step and draft step (see `calibrate`, step 4);
+    without a draft step all the unexplained time is per-pass overhead, as before."""
+    if not step:
+        return 1.0, 0.0
+    S = step - final
+    top = max(1.0, S / (L * layer))
+    scale = 1.0 if draft is None or L <= e else min(max((S - (draft - head)) / ((L - e) * layer), 1.0), top)
+    return scale, max(0.0, S - scale * L * layer)
+
+
+def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int) -> float | None:
+    """The decoder's median seconds per draft step of the draft exit (level 0 of `self-spec`), over short runs after
+    one untimed warm-up run."""
+    per = []
+    max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
+    for i, ids in enumerate(ids_list[:1] + ids_list):  # the first run warms up (kernels for new shapes), untimed
+        n = min(max_new_tokens, 32, max_pos - len(ids) if max_pos else 32)
+        if n < 2:
+            continue
+        out = model.generate(torch.tensor([ids], device=model.adapter.device), strategy="self-spec", max_new_tokens=n)
+        st = out.stats.levels[0]
+        if st.passes and i:
+            per.append(st.seconds / st.passes)
+    return statistics.median(per) if per else None
+
+
 def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = NgramConfig(),
               progress: bool = False, repeats: int = 10, max_gamma: int = DEFAULT_MAX_GAMMA) -> Calibration:
     """Measure a `Calibration` of `model` (an `EarlyExitModel`) on this machine, in its dtype and thread count.
@@ -871,7 +957,14 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     3. unit costs (`measure_costs`) behind a KV cache of the typical context (median prompt + half an answer),
        for T = 1..max(max_gamma, ngram.max_len) + 1 and the tree passes' TREE_ROWS; per exit, the share of answer
        positions where the model's argmax is among the exit's top-k (k = 1..MAX_TREE_WIDTH; tree drafts);
-    4. `step_overhead` = median decode step - (L layer(1) + final(1)), clamped at 0."""
+    4. the decoder's own costs beyond the timed units, fitted on two real decode steps: the plain step of 1. and a
+       draft step of the draft exit (its level-0 seconds per pass in a short `self-spec` run on up to 3 of the
+       prompts). With S = plain step - final(1) and D = draft step - head(1): a per-layer factor
+       `layer_scale` = (S - D) / ((L - e) layer(1)) (clamped to [1, S / (L layer(1))]) and the per-pass
+       `step_overhead` = S - layer_scale L layer(1) (>= 0). A layer can run slower inside the decoder than timed
+       alone (measured: x1.5 for Qwen2.5-1.5B in bf16 on a 2-core EPYC), which a per-pass overhead would charge
+       to every cheap draft step as if it cost a full model's extra time; on a small model the extra time is
+       Python per pass, and the fit says so (layer_scale ~1)."""
     ad = model.adapter
     L, dev = ad.num_layers, ad.device
     exits = {"draft": model.draft_layer, "verify": model.verify_layer}
@@ -963,10 +1056,12 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     costs = measure_costs(model, rows, context, repeats)
     costs["ngram"] = statistics.median(lookups)
 
-    # 4. the decoder's own overhead per pass
+    # 4. the decoder's own costs: a per-layer factor and a per-pass overhead, from a plain and a draft step
     step = statistics.median(steps) if steps else None
-    modelled = L * costs["layer"][1] + costs["final"][1]
-    costs["step_overhead"] = max(0.0, step - modelled) if step else 0.0
+    draft = _draft_step_seconds(model, ids_list[:3], max_new_tokens) if step else None
+    costs["layer_scale"], costs["step_overhead"] = fit_decoder_costs(
+        step, draft, L=L, e=exits["draft"], layer=costs["layer"][1], final=costs["final"][1],
+        head=costs["head"][level_name(exits["draft"])][1])
     measured = {"ar": 1.0 / step} if step else None
     return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype), threads=torch.get_num_threads(),
                        model=model_identity(model), costs=costs, acceptance=acceptance,
@@ -1021,14 +1116,18 @@ __all__ = [
     "Calibration",
     "CalibrationError",
     "Choice",
+    "LOOKUP",
     "KVBench",
     "acceptance_from_counts",
     "best_gammas",
     "best_hierarchy",
     "calibrate",
     "expected_tokens",
+    "fit_decoder_costs",
     "format_predictions",
     "interp",
+    "level_pairs",
+    "lookup_exit",
     "machine_fingerprint",
     "measure_costs",
     "measure_layer_costs",

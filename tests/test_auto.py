@@ -48,11 +48,18 @@ def test_auto_is_greedy_identical_for_every_family(family):
         assert out.stats.strategy.startswith("auto:") and out.stats.row_rounds > 0
 
 
+@pytest.mark.parametrize("priors", ["flat", "lookup-first"])
 @pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
                          ids=["plain", "warped"])
-def test_auto_sampling_matches_the_exact_distribution(warp):
+def test_auto_sampling_matches_the_exact_distribution(warp, priors):
     model = _tiny_vocab_model()
-    _calibrated(model, lambda k: 0.6, 0.6, prompts=([1, 3, 2],))
+    if priors == "flat":
+        _calibrated(model, lambda k: 0.6, 0.6, prompts=([1, 3, 2],))
+    else:  # priors under which auto runs the lookup-first exit (its two drafters' rows: point masses and q)
+        cal = _calibrated(model, lambda k: {"L1>full": 0.9, "ngram>full": 0.7}.get(k, 0.0), 0.5, prompts=([1, 3, 2],),
+                          realistic=True)
+        chain = decoding._auto_chain(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
+        assert [lv.name for lv in chain] == ["ngram|L1", "full"]
     prompt, n = [1, 3, 2], 3
     outcomes, probs = _exact_joint(model, prompt, n, warp)
     samples = _draw(model, prompt, n, warp, "auto", draws=6000, seed=11)
@@ -134,6 +141,32 @@ def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monke
     g = rounds[0]
     first_plain = g.index(0)
     assert any(x >= 2 for x in g[first_plain:]), f"never climbed back: {g}"
+
+
+def test_auto_takes_the_lookup_first_exit_and_counts_its_two_drafters_apart(monkeypatch):
+    """Priors under which the n-gram lookup first, the exit where it misses, is the fastest chain: auto runs it,
+    output stays plain decoding's, and each row's estimates of the exit's and the n-gram's rates move apart."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)  # the exit is always right
+    _calibrated(model, lambda k: {"L2>full": 0.9, "ngram>full": 0.7}.get(k, 0.0), 0.5, realistic=True)
+    seen = []
+    choose = decoding._AutoPolicy.choose
+
+    def spy(self, run):
+        choose(self, run)
+        seen.append((self.acc[:, 0] / (self.acc[:, 0] + self.rej[:, 0]), self.lacc + self.lrej, self.hit + self.miss))
+
+    monkeypatch.setattr(decoding._AutoPolicy, "choose", spy)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 40)
+    out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.strategy == "auto:ngram|L2>full"
+    lv0 = out.stats.levels[0]
+    assert 0 < lv0.lookups < lv0.proposals  # both drafters proposed
+    exit_rate, lookup_weight, match_weight = seen[-1]
+    assert bool((exit_rate > 0.95).all())  # from the 0.9 prior: the exit was right every time
+    assert bool((lookup_weight != 2 * decoding._AutoPolicy.PRIOR / 2).any())  # the n-gram's own count moved
+    assert bool((match_weight > decoding._AutoPolicy.PRIOR).all())  # every round tried the lookup
 
 
 # ---------------------------------------------------------------------------------------------- defaults, bad input

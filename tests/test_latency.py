@@ -3,6 +3,7 @@ calibration on a tiny model, storage in the checkpoint and refusal on another mo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -115,6 +116,70 @@ def test_ngram_level_matches_a_hand_computation():
     assert lt.time_per_token(["ngram", "full"], [4], cal, ngram_match=0.0) == pytest.approx(0.05 + 0.1 + v1)
 
 
+def test_lookup_first_level_matches_a_hand_computation():
+    cal = dataclasses.replace(synthetic(acceptance={"L2>full": 0.6, "ngram>full": 0.7}, match=0.4, ngram=0.05),
+                              ngram={"max_ngram": 3, "min_ngram": 1, "max_len": 4})
+    draft = 2 * 1.0 + 0.3 + 0.1  # the exit's draft step
+    drafted = 2 * draft + (2 * 1.0 + 8 * 1.4 + 2.2) + 0.1  # 2 drafts, then the full model over 3 rows
+    served = 0.1 + 10 * 1.8 + 2.4  # the lookup's 4 tokens: every layer over 5 rows
+    E_n, E_g = (1 - 0.7 ** 5) / 0.3, (1 - 0.6 ** 3) / 0.4
+    lookups = (0.4 + 0.6 * 2) * 0.05  # one per draft step
+    want = (lookups + 0.4 * served + 0.6 * drafted) / (0.4 * E_n + 0.6 * E_g)
+    assert lt.time_per_token(["ngram|L2", "full"], [2], cal) == pytest.approx(want)
+    # limits: never matching, it is self-speculation plus the wasted lookups; always matching, the n-gram level
+    assert lt.time_per_token(["ngram|L2", "full"], [2], cal, ngram_match=0.0) == pytest.approx(
+        lt.time_per_token(["L2", "full"], [2], cal) + 2 * 0.05 / E_g)
+    assert lt.time_per_token(["ngram|L2", "full"], [2], cal, ngram_match=1.0) == pytest.approx(
+        lt.time_per_token(["ngram", "full"], [4], cal, ngram_match=1.0))
+    # observed rates override the calibration's, one per drafter
+    assert lt.time_per_token(["ngram|L2", "full"], [2], synthetic(match=0.4, ngram=0.05),
+                             acceptance={"L2>full": 0.6, "ngram>full": 0.7}) == pytest.approx(
+        lt.time_per_token(["ngram|L2", "full"], [2], dataclasses.replace(cal, ngram=None)))
+    assert lt.level_pairs("ngram|L2", "L5") == ["L2>L5", "ngram>L5"] and lt.level_pairs("L2", "L5") == ["L2>L5"]
+    assert lt.time_per_token(["ngram|L2", "L5", "full"], [2, 3], cal) > 0  # under a verifier
+    with pytest.raises(ValueError, match="only be the bottom level"):
+        lt.time_per_token(["L2", "ngram|L5", "full"], [1, 1], cal)
+    with pytest.raises(ValueError, match="unknown level"):
+        lt.time_per_token(["ngram|L2", "full"], [1], dataclasses.replace(
+            cal, costs={**cal.costs, "ngram": None}))  # no n-gram measured: no lookup-first level either
+
+
+def test_best_hierarchy_takes_the_lookup_first_exit_where_both_drafters_pay():
+    fast = dict(L=30, exits=(2, 8), layer=(1.0, 0.01), heads=((0.1, 0.0), (0.1, 0.0)), final=(3.0, 0.01))
+    both = synthetic(**fast, acceptance={"L2>full": 0.6, "L8>full": 0.3, "L2>L8": 0.3, "ngram>full": 0.9},
+                     match=0.5)
+    choice = lt.best_hierarchy(both)
+    assert choice.levels == ("ngram|L2", "full")
+    assert choice.seconds_per_token < min(lt.time_per_token(lv, [g], both) for lv in (["ngram", "full"], ["L2", "full"])
+                                          for g in range(1, 9))
+    assert lt.best_gammas(["ngram|L2", "full"], both, {}) >= [1]
+    assert lt.best_gammas(["ngram|L2", "full"], both, {"L2>full": 0.0, "ngram>full": 0.0}) == [0]  # plain
+    # an exit that is never right only costs: the n-gram alone is faster
+    useless = synthetic(**fast, acceptance={"L2>full": 0.0, "L8>full": 0.0, "L2>L8": 0.0, "ngram>full": 0.9},
+                        match=0.5)
+    assert lt.best_hierarchy(useless).levels == ("ngram", "full")
+
+
+def test_decoder_costs_split_into_a_per_layer_factor_and_a_per_pass_overhead():
+    # L = 10 layers of 1 ms timed alone, final 2 ms, draft exit at layer 2 with a 0.5 ms head
+    unit = dict(L=10, e=2, layer=1.0, final=2.0, head=0.5)
+    # inside the decoder every layer takes 1.5 ms and a pass has 1 ms of bookkeeping: the fit recovers both
+    scale, o = lt.fit_decoder_costs(10 * 1.5 + 2.0 + 1.0, 2 * 1.5 + 0.5 + 1.0, **unit)
+    assert scale == pytest.approx(1.5) and o == pytest.approx(1.0)
+    # all the extra time per pass (a small model's Python): no layer factor
+    scale, o = lt.fit_decoder_costs(10 + 2.0 + 4.0, 2 + 0.5 + 4.0, **unit)
+    assert scale == pytest.approx(1.0) and o == pytest.approx(4.0)
+    # clamped: never faster than timed, never a negative overhead; without a draft step, all per pass
+    assert lt.fit_decoder_costs(10 + 2.0 + 3.0, 9.0, **unit) == (1.0, pytest.approx(3.0))
+    assert lt.fit_decoder_costs(10 * 2 + 2.0, 0.5, **unit) == (pytest.approx(2.0), pytest.approx(0.0))
+    assert lt.fit_decoder_costs(15.0, None, **unit) == (1.0, pytest.approx(3.0))
+    cal = synthetic()
+    scaled = dataclasses.replace(cal, costs={**cal.costs, "layer_scale": 1.5})
+    assert scaled.layer_cost(3) == pytest.approx(1.5 * cal.layer_cost(3))
+    assert lt.Calibration.from_dict(scaled.to_dict()).layer_scale == 1.5
+    assert lt.Calibration.from_dict(cal.to_dict()).layer_scale == 1.0  # older calibrations: 1
+
+
 def test_a_zero_gamma_skips_the_level_and_everything_below_it():
     cal = synthetic()
     plain = lt.time_per_token(["full"], [], cal)
@@ -155,11 +220,15 @@ def test_dynamic_program_equals_brute_force_over_all_stacks_and_gammas(seed):
     rnd = random.Random(seed)
     cal = random_calibration(rnd)
     G = 4
-    levels = cal.levels  # ngram, L_d, L_v, full
+    levels = cal.levels  # ngram, L_d, L_v, ngram|L_d, ngram|L_v, full
+    assert levels[-3:-1] == [lt.LOOKUP + lv for lv in levels[1:3]]
     brute = []
     for r in range(len(levels)):
         for below in itertools.combinations(levels[:-1], r):
             stack = list(below) + ["full"]
+            if any(s.startswith(lt.LOOKUP) for s in stack[1:]) or len({cal.depth(s) for s in stack}) < len(stack):
+                continue  # (a lookup-first level only at the bottom; strictly deeper levels)
+            stack.sort(key=cal.depth)
             for gs in itertools.product(range(1, G + 1), repeat=len(stack) - 1):
                 brute.append((lt.time_per_token(stack, list(gs), cal), stack, gs))
     t, stack, gs = min(brute, key=lambda x: x[0])
@@ -168,7 +237,7 @@ def test_dynamic_program_equals_brute_force_over_all_stacks_and_gammas(seed):
     assert lt.time_per_token(choice.levels, choice.gammas, cal) == pytest.approx(t, rel=1e-12)
     assert choice.seconds_per_token <= lt.time_per_token(["full"], [], cal)
     # best_gammas for a fixed list, with 0 = skip, against every gamma vector in 0..G
-    fixed = [lv for lv in levels if lv != "ngram"]
+    fixed = [lv for lv in levels if not lv.startswith("ngram")]
     want = min(lt.time_per_token(fixed, list(gs), cal) for gs in itertools.product(range(G + 1), repeat=2))
     got = lt.best_gammas(fixed, cal, {}, max_gamma=G)
     assert lt.time_per_token(fixed, got, cal) == pytest.approx(want, rel=1e-12)
@@ -177,7 +246,7 @@ def test_dynamic_program_equals_brute_force_over_all_stacks_and_gammas(seed):
 @pytest.mark.parametrize("seed", range(12))
 def test_best_gammas_margin_speculates_only_for_a_clear_predicted_gain(seed):
     cal = random_calibration(random.Random(seed))
-    fixed = [lv for lv in cal.levels if lv != "ngram"]
+    fixed = [lv for lv in cal.levels if not lv.startswith("ngram")]
     plain = lt.time_per_token(["full"], [], cal)
     free = lt.best_gammas(fixed, cal, {}, max_gamma=4)
     t = lt.time_per_token(fixed, free, cal)
@@ -236,7 +305,7 @@ def tiny():
 
 def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
     model, cal = tiny
-    assert cal.levels == ["ngram", "L2", "L4", "full"]
+    assert cal.levels == ["ngram", "L2", "L4", "ngram|L2", "ngram|L4", "full"]
     assert set(cal.acceptance) == {"ngram>L2", "ngram>L4", "ngram>full", "L2>L4", "L2>full", "L4>full"}
     assert all(0.0 <= a <= 1.0 for a in cal.acceptance.values())
     assert 0.0 <= cal.ngram_match <= 1.0 and cal.positions == 2 * 15
@@ -248,7 +317,7 @@ def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
         assert all(a <= b for a, b in zip(r, r[1:])) and 0.0 <= r[0] and r[-1] <= 1.0
     assert all(t > 0 for h in cal.costs["head"].values() for t in h.values())
     assert all(t > 0 for t in cal.costs["final"].values())
-    assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0
+    assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0 and cal.costs["layer_scale"] >= 1
     assert cal.acceptance["ngram>full"] > 0 and cal.ngram_match > 0  # the repetitive prompt
     assert cal.measured["ar"] > 0 and cal.context > 0 and cal.threads == 1
     assert cal.model["exits"] == {"draft": 2, "verify": 4} and cal.dtype == "float32"
@@ -309,8 +378,9 @@ def test_predictions_table_names_every_candidate_hierarchy(tiny):
     _, cal = tiny
     rows = lt.predictions(cal, fixed={"hispec (checkpoint defaults)": (["L2", "L4", "full"], [2, 4])})
     names = [r["name"] for r in rows]
-    assert names[:6] == ["ar", "self-spec", "hispec", "ngram", "ngram>L_d", "hispec (checkpoint defaults)"]
-    assert names[6].startswith("tree ") and rows[6]["tree"] and names[7:] == ["best"]  # the best static tree
+    assert names[:8] == ["ar", "self-spec", "hispec", "ngram", "ngram>L_d", "self-spec-lookup", "hispec-lookup",
+                         "hispec (checkpoint defaults)"]
+    assert names[8].startswith("tree ") and rows[8]["tree"] and names[9:] == ["best"]  # the best static tree
     assert rows[0]["speedup_vs_plain"] == pytest.approx(1.0) and rows[-1]["speedup_vs_plain"] >= 1.0
     text = lt.format_predictions(cal, rows)
     assert "L2>L4>full" in text and cal.machine["cpu"] in text

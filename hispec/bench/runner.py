@@ -448,13 +448,11 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
         levels = _auto_chain(model, cal, **kw) if name == "auto" else build_levels(model, parse_hierarchy(name, model),
                                                                                  **kw)
-        if levels[0].lookup:  # the latency model does not price the lookup-first level (`ngram|EXIT`) yet
-            continue
         names = [lv.name for lv in levels]
         t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
         if name == "auto":  # rows may also decode plainly: the better of the two
             t = min(t, plain)
-        else:
+        elif not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)
             fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(
                 names, gs, cal, acceptance={k: v for k, v in obs.items() if k != "ngram_match" and v is not None},
                 ngram_match=obs.get("ngram_match")))(names, [lv.threshold for lv in levels[:-1]])
