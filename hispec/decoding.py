@@ -731,9 +731,10 @@ class _AutoPolicy:
     (accepted < proposed)`), started from the calibration's acceptance with the weight of PRIOR rounds; its
     acceptance estimate is the i.i.d. maximum-likelihood `acc / (acc + rej)` (`latency.acceptance_from_counts`), and
     for an n-gram level 0 also its match rate. A lookup-first level 0 (`ngram|EXIT`) has two rates, counted apart by
-    who proposed a row's round: its exit's (like any exit) and its n-gram's, and the lookup's match rate. Before every round the rule picks, per row, the lowest level s the
-    row uses (s = K: plain decoding) and the gammas of levels s..K-1 minimising the latency model's predicted time
-    per token (`latency.best_gammas`) under the row's own estimates, and writes them into `gam` (0 below s).
+    who proposed a row's round (its exit's, like any exit, and its n-gram's), and the lookup's match rate. Before
+    every round the rule picks, per row, the lowest level s the row uses (s = K: plain decoding) and the gammas of
+    levels s..K-1 minimising the latency model's predicted time per token (`latency.best_gammas`) under the row's
+    own estimates, and writes them into `gam` (0 below s).
     A row that has switched level s-1 off keeps measuring it almost for free: when level s produces a token itself,
     the switched-off level's proposal for that position (its head on the exit state the pass just computed, every
     SHADOW_EVERY-th such pass; or an n-gram lookup, every time) is compared with it (greedy: equal top-1;
