@@ -56,7 +56,7 @@ from .heads import ContextInputs
 from .latency import LOOKUP, Calibration, CalibrationError, best_hierarchy, level_pairs
 from .ngram import NgramConfig, propose_batch
 from .sampling import check_verification, greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
-from .tree import check_tree, parse_tree, tree_round
+from .tree import TreeSpec, check_tree, parse_tree, tree_round
 
 NAMED = {
     "ar": ("full",),
@@ -711,7 +711,12 @@ class _Run:
         alive = self.commit()
         while alive:
             if self.tree is not None:
-                tree_round(self, self.tree)
+                if self.policy is not None:
+                    self.policy.choose(self)
+                if self.policy is not None and not bool((self.gam[0] > 0).any()):
+                    self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))  # every row plain
+                else:
+                    tree_round(self, self.tree)
                 alive = self.commit()
                 continue
             if self.policy is not None:
@@ -753,8 +758,9 @@ class _AutoPolicy:
     SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit (n-gram lookups: every one)
     MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
-    def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8):
+    def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8, tree=None):
         self.latency, self.cal, self.chain, self.max_gamma = latency, cal, chain, max_gamma
+        self.tree = tree  # a TreeSpec: level 0 drafts this tree (or, per row, nothing: plain), see `_choose_tree`
         self.names = [lv.name for lv in chain]
         K = len(chain) - 1
         # per adjacent pair (i -> i+1) the rates its verification depends on: its own, or for a lookup-first level 0
@@ -854,12 +860,63 @@ class _AutoPolicy:
         x = x.detach().cpu().double()
         self._update(i, shadow, x, 1 - x)
 
+    def observe_tree(self, run: _Run, drafted, top1, part, new, probs):
+        """Called by a tree round (`hispec.tree`) after its verification, before the state moves on. `drafted`
+        rows drafted a tree: `top1` is one observation of their exit's top-1 rate at the root (greedy: whether the
+        full model's token is the exit's top-1; sampling: the exact acceptance probability sum(min(p, q)) of one
+        draft from the exit's q). The other rows of `part` (still decoding) got a plain token from this pass
+        (`new`, probabilities `probs[:, 0]`): their switched-off drafters are shadowed as in `observe`."""
+        cpu = lambda t: t.detach().cpu()  # noqa: E731
+        drafted, part = cpu(drafted), cpu(part)
+        rows = drafted.nonzero().flatten()
+        x = cpu(top1).double()[rows]
+        self._update(0, rows, x, 1 - x)
+        shadow = (part & ~drafted).nonzero().flatten()
+        if shadow.numel():
+            if self.lookup:
+                self._shadow_lookup(run, None, shadow, new, probs)
+            self._shadow_exit(run, 1, shadow, new, probs)
+
+    def lookup_missed(self, rows: torch.Tensor):
+        """Rows (bool [B]) whose lookup-first exit tried the n-gram before a tree round and found nothing (the rows
+        it served are counted by `observe`, when their chain is verified)."""
+        rows = rows.detach().cpu().nonzero().flatten()
+        self._match(rows, torch.zeros(len(rows)))
+
     # ---------------------------------------------------------------- choice
+    def _choose_tree(self, run: _Run, alphas, lookup, match):
+        """Per row: the tree, or plain decoding (gam 0), whichever the latency model predicts faster under the row's
+        own estimates (the exit's top-1 rate, scaling the calibration's top-k rates: `latency.scaled_topk`; for a
+        lookup-first exit also the n-gram's rate and match rate), with the same hysteresis as chains."""
+        exit_level = self.names[0].removeprefix(LOOKUP)
+        key = self.latency.pair_key(exit_level, "full")
+        rates, widths = self.cal.topk[key], list(self.tree.widths)
+        plain = self.cal.plain_seconds_per_token()
+        gam = run.gam[0].clone()
+        for b in range(alphas.shape[0]):
+            margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
+            topk = {key: self.latency.scaled_topk(rates, float(alphas[b, 0]))}
+            if self.lookup:
+                t = self.latency.lookup_tree_time_per_token(
+                    widths, self.cal, exit_level, topk, acceptance={self.pairs[0][1]: float(lookup[b])},
+                    match=float(match[b]))
+            else:
+                t = self.latency.tree_time_per_token(widths, self.cal, exit_level, topk)
+            on = t < plain * (1 - margin)
+            gam[b] = 1 if on else 0
+            self.lowest[b] = 0 if on else 1
+        run.gam = [gam]
+
     def choose(self, run: _Run):
         alphas = self.acc / (self.acc + self.rej).clamp(min=1e-9)  # [B, K]: latency.acceptance_from_counts
         lookup = self.lacc / (self.lacc + self.lrej).clamp(min=1e-9)
         match = self.hit / (self.hit + self.miss).clamp(min=1e-9)
         K = len(self.chain) - 1
+        if self.tree is not None:
+            self._choose_tree(run, alphas, lookup, match)
+            run.stats.row_rounds += alphas.shape[0]
+            run.stats.plain_row_rounds += int((self.lowest == K).sum())
+            return
         gam = [g.clone() for g in run.gam]
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
@@ -968,6 +1025,33 @@ def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
     return build_levels(model, names, list(choice.gammas) or None, gamma=gamma, window=window, ngram=ngram)
 
 
+def _auto_plan(model, cal, *, gamma, window, ngram, max_new_tokens: int | None = None):
+    """`auto`'s plan: (levels, tree). The latency-optimal speculative chain hierarchy (`_auto_chain`, tree None),
+    unless the calibration predicts a static tree faster: drafted by one exit under the full model, lookup-first
+    where the n-gram was measured (`latency.best_tree`, `hispec.tree`), with some width > 1 (a tree of widths 1 is
+    a chain, which the chain policy handles with per-row gammas). Needs the calibration's top-k rates (made since
+    tree drafts were modelled); trees never deeper than `max_new_tokens`."""
+    levels = _auto_chain(model, cal, gamma=gamma, window=window, ngram=ngram)
+    max_depth = 5 if max_new_tokens is None else min(5, max_new_tokens)
+    if not cal.topk or max_depth < 1:
+        return levels, None
+    t_best = latency.time_per_token([lv.name for lv in levels], [lv.threshold for lv in levels[:-1]], cal)
+    best = None
+    lookups = (False, True) if cal.acceptance.get(latency.pair_key("ngram", "full")) is not None else (False,)
+    for name in model.exit_names:
+        level = f"L{model.hispec_config.layer_of(name)}"
+        if not cal.topk.get(latency.pair_key(level, "full")):
+            continue
+        for lookup in lookups:
+            widths, t = latency.best_tree(cal, level, max_depth=max_depth, lookup=lookup)
+            if widths and max(widths) > 1 and t < t_best:
+                t_best, best = t, ([LOOKUP + name if lookup else name, "full"], widths)
+    if best is None:
+        return levels, None
+    names, widths = best
+    return build_levels(model, names, None, gamma=gamma, window=window, ngram=ngram), TreeSpec(tuple(widths))
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -1007,7 +1091,9 @@ def generate(
     widths per depth, `[4, 2, 1]` or `"4x2x1"` (the root's top-4, each one's top-2, then top-1: 4 + 8 + 8 nodes;
     sampling draws the children without replacement), or `"dyn-D-K-B-N"`, a dynamic EAGLE-2-style tree (depth D,
     top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one draft exit under the full model
-    (`self-spec`, `draft>full`, `L4>full`); `gamma` is then unused. Default None: chains.
+    (`self-spec`, `draft>full`, `L4>full`), or the lookup-first exit (`self-spec-lookup`: the n-gram lookup first,
+    the tree where it misses); `gamma` is then unused. Default None: chains (`auto` may still plan a tree itself,
+    `_auto_plan`).
     `verification`: the acceptance rule when sampling, at every level of the hierarchy: `"token"` (speculative
     sampling, token by token) or `"hsd"` (sequence-level, `hispec.sampling.hsd_accept`: the same output
     distribution, at least as many accepted tokens); default: the checkpoint's `decoding.verification`, else
@@ -1043,10 +1129,14 @@ def generate(
     if tree is not None and strategy == "auto":
         raise ValueError("tree drafts need a fixed hierarchy of one draft exit under the full model (e.g. "
                          "strategy='self-spec'), not 'auto'")
-    policy_cal = None
+    policy_cal = auto_tree = None
     if strategy == "auto":
         policy_cal = _calibration(model)
-        levels = _auto_chain(model, policy_cal, gamma=gamma, window=window, ngram=ngram)
+        if do_sample and verification != "token":  # a tree's children are verified token-wise, never by hsd
+            levels = _auto_chain(model, policy_cal, gamma=gamma, window=window, ngram=ngram)
+        else:
+            levels, auto_tree = _auto_plan(model, policy_cal, gamma=gamma, window=window, ngram=ngram,
+                                           max_new_tokens=max_new_tokens)
     else:
         levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
                               ngram=ngram)
@@ -1092,7 +1182,8 @@ def generate(
         raise ValueError("streaming supports batch size 1 only")
 
     if policy_cal is not None:
-        policy = _AutoPolicy(levels, policy_cal, len(prompts), dev)
+        policy = _AutoPolicy(levels, policy_cal, len(prompts), dev, tree=auto_tree)
+        tree = auto_tree
     run = _Run(
         model,
         levels,

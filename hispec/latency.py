@@ -85,7 +85,8 @@ with r_b(k) the share of answer positions where the model's argmax is among leve
 like the top-1 agreement; r_b(1) = a(b>full)). A tree of widths [1]*g is the chain of gamma g: R and E reduce to
 the chain's terms exactly. The i.i.d. assumption carries over (a node's children are judged by the same rate
 whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass, and dynamic
-trees are not modelled.
+trees are not modelled. The lookup-first exit with trees (`lookup_tree_time_per_token`) mixes the two round kinds
+as the lookup-first formula does, the exit's chain round replaced by R(tree) and E(tree).
 """
 
 from __future__ import annotations
@@ -622,32 +623,75 @@ def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk
     return tree_round_seconds(widths, cal, level) / tree_expected_tokens(widths, _topk_rates(cal, level, topk))
 
 
-def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, max_nodes: int = 64,
-              topk: dict | None = None) -> tuple[list[int], float]:
-    """The static tree (widths non-increasing with depth, each <= MAX_TREE_WIDTH, at most `max_nodes` nodes) with
-    the lowest predicted seconds per token, and that time. Exhaustive over the (few hundred) shapes; memoised."""
+def lookup_tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None,
+                               acceptance: dict | None = None, match: float | None = None) -> float:
+    """Predicted seconds per token of the lookup-first exit with trees (`ngram|EXIT` drafting `widths` where the
+    lookup finds nothing; `hispec.tree._lookup_first`): the lookup-first formula of the module docstring with the
+    exit's chain round replaced by a tree round,
+
+        T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),
+
+    m the match rate (`match`, else the calibration's), a_ng the n-gram's rate ("ngram>full")."""
     level = level or level_name(cal.model["exits"]["draft"])
+    exit_t = tree_time_per_token(widths, cal, level, topk)  # also validates widths and level
     rates = _topk_rates(cal, level, topk)
-    key = ("best_tree", level, tuple(round(r, 3) for r in rates), max_depth, max_nodes)
-    memo = cal._memo.setdefault("best_tree", {})
-    if key in memo:
-        return list(memo[key][0]), memo[key][1]
-    best = (None, math.inf)
+    m = min(max(cal.ngram_match if match is None else float(match), 0.0), 1.0)
+    n, o = cal.ngram_max_len, cal.step_overhead
+    a_n = _alpha(cal, acceptance, pair_key(NGRAM, FULL))
+    e_tree = tree_expected_tokens(widths, rates)
+    served = o + _pass_cost(cal, None, FULL, n + 1)
+    return ((cal.ngram_cost + m * served + (1 - m) * exit_t * e_tree)
+            / (m * expected_tokens(a_n, n) + (1 - m) * e_tree))
+
+
+def tree_shapes(max_depth: int, max_nodes: int, max_width: int) -> list[list[int]]:
+    """Every static tree with non-increasing widths <= `max_width`, depth <= `max_depth`, <= `max_nodes` nodes."""
+    out = []
 
     def grow(widths, nodes, last):
-        nonlocal best
         if widths:
-            t = tree_round_seconds(widths, cal, level) / tree_expected_tokens(widths, rates)
-            if t < best[1]:
-                best = (list(widths), t)
+            out.append(list(widths))
         if len(widths) == max_depth:
             return
         n_last = math.prod(widths) if widths else 1
-        for k in range(1, min(last, len(rates)) + 1):
+        for k in range(1, last + 1):
             if nodes + n_last * k <= max_nodes:
                 grow(widths + [k], nodes + n_last * k, k)
 
-    grow([], 0, MAX_TREE_WIDTH)
+    grow([], 0, max_width)
+    return out
+
+
+def scaled_topk(rates, top1: float) -> list[float]:
+    """A level's calibrated top-k rates moved to an observed top-1 rate `top1` (a row's estimate under `auto`):
+    r'(k) = r(k) * top1 / r(1), clipped to [0, 1]. A head that stops finding the model's argmax at its top-1 is
+    taken to lose its top-k hits in proportion (no top-k counts are kept per row). Without a calibrated r(1) > 0
+    the rates are returned unchanged."""
+    rates = [float(r) for r in rates]
+    if not rates or rates[0] <= 0:
+        return rates
+    f = float(top1) / rates[0]
+    return [min(max(r * f, 0.0), 1.0) for r in rates]
+
+
+def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, max_nodes: int = 64,
+              topk: dict | None = None, *, lookup: bool = False) -> tuple[list[int], float]:
+    """The static tree (widths non-increasing with depth, each <= MAX_TREE_WIDTH, at most `max_nodes` nodes) with
+    the lowest predicted seconds per token, and that time; `lookup`: drafted by the lookup-first exit
+    (`lookup_tree_time_per_token`). Exhaustive over the (few hundred) shapes; memoised."""
+    level = level or level_name(cal.model["exits"]["draft"])
+    rates = _topk_rates(cal, level, topk)
+    key = ("best_tree", level, tuple(round(r, 3) for r in rates), max_depth, max_nodes, lookup)
+    memo = cal._memo.setdefault("best_tree", {})
+    if key in memo:
+        return list(memo[key][0]), memo[key][1]
+    per_token = lookup_tree_time_per_token if lookup else tree_time_per_token
+    topk = {pair_key(level, FULL): rates}
+    best = (None, math.inf)
+    for widths in tree_shapes(max_depth, max_nodes, min(MAX_TREE_WIDTH, len(rates))):
+        t = per_token(widths, cal, level, topk)
+        if t < best[1]:
+            best = (widths, t)
     memo[key] = (tuple(best[0]), best[1])
     return best
 

@@ -19,6 +19,11 @@ still produce, deeper nodes are invalid slots for it):
    node's children (`hispec.sampling.recursive_accept`); a residual sample when all are rejected, else the next
    depth; the full model's own sample after the deepest accepted node. An accepted EOS ends the path.
 
+Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): before the tree, every row tries the n-gram lookup;
+rows it serves are verified as a chain and the rest draft the tree (`_lookup_first`). Under `auto` a row whose
+`gam[0]` is 0 decodes plainly: it drafts nothing (no lookup, no tree nodes) and gets the full model's token from the
+tree round's pass; the policy observes each round (`_AutoPolicy.observe_tree`).
+
 Masks. Attention masks come from each slot's (valid, position) as everywhere in hispec; a tree pass adds an
 explicit `allow` mask (`DecoderAdapter.run_layers(allow=...)`): among this round's tree slots a node sees only
 itself and its ancestors (siblings share a position, so position alone cannot separate them); every slot before
@@ -114,9 +119,6 @@ def check_tree(spec, levels, *, max_new_tokens: int, policy, do_sample: bool = F
     if kinds != ["exit", "full"]:
         raise ValueError(f"tree drafts need a hierarchy of one draft exit under the full model (e.g. 'self-spec' "
                          f"or 'draft>full'), got {'>'.join(lv.name for lv in levels)}")
-    if levels[0].lookup:
-        raise ValueError(f"tree drafts branch on one exit head's candidates; '{levels[0].name}' also proposes n-gram "
-                         f"continuations, which are chains: use 'self-spec' with the tree, or the lookup without it")
     if policy is not None:
         raise ValueError("tree drafts do not take a policy (strategy='auto' changes chain lengths, not trees)")
     if max_new_tokens and spec.depth > max_new_tokens:
@@ -163,7 +165,10 @@ def _allow(lay: _Layout, q_nodes: torch.Tensor, slot_nodes: torch.Tensor, before
 
 
 def tree_round(run, spec):
-    """One tree round for every row of `run` (a `hispec.decoding._Run` with levels [exit, full])."""
+    """One tree round for every row of `run` (a `hispec.decoding._Run` with levels [exit, full]); under a
+    lookup-first exit (`ngram|EXIT`) the n-gram lookup goes first (`_lookup_first`)."""
+    if run.levels[0].lookup and not _lookup_first(run):
+        return
     if isinstance(spec, DynamicTreeSpec):
         return dynamic_round(run, spec)
     ad, cache = run.adapter, run.cache
@@ -180,7 +185,9 @@ def tree_round(run, spec):
     t0 = time.perf_counter()
 
     seq = run.seq.clone()  # tokens [0, seq) are committed; seq - 1 has passed no range yet
-    depth_cap = (run.limit - seq).clamp(min=0, max=D)  # per row: drafts that can still be committed
+    part = seq < run.limit  # rows that still decode
+    # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding: gam 0)
+    depth_cap = (run.limit - seq).clamp(min=0, max=D) * (run.gam[0] > 0)
     # ---------------------------------------------------------------- drafting
     out, start, hf = run._advance(0, seq)
     if out is None:
@@ -309,12 +316,48 @@ def tree_round(run, spec):
             hit = on[:, sl]
             path[:, d - 1] = torch.where(hit.any(1), sl.start + hit.float().argmax(1), -1)
         bonus = pred[rows, 1 + _deepest(path)]
+    if run.policy is not None:  # `auto`: the exit's top-1 at the root, or shadows for the rows decoding plainly
+        if run.do_sample:
+            top1 = torch.minimum(prow[:, 0], qrows[:, 0]).sum(-1)
+        else:
+            top1 = (ntok[:, 0] == pred[:, 0]).double()  # greedy: child 0 is the root's top-1
+        run.policy.observe_tree(run, depth_cap > 0, top1, part, bonus, prow if run.do_sample else None)
     # ---------------------------------------------------------------- commit the path, roll back the rest
     a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
     _write_states(run, seq, keep, h_exit, pidx, o, P, pidx, pvalid, ppos)
     _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
     _count(st1, a, depth_cap, B, t1)
+
+
+def _lookup_first(run) -> bool:
+    """The lookup-first exit (`ngram|EXIT`) with trees: every row first tries the n-gram lookup (up to
+    `ngram.max_len` tokens, as in a chain round); rows it serves are verified by the full model as a chain
+    (`_Run.verify`), the others draft the exit's tree. Returns whether a tree round follows: none when every row was
+    served (or none is left). In a batch where only some rows were served, those rows are committed first (so a
+    row the chain finished leaves before the tree) and then take part in the tree round as well: every row still
+    decoding has exactly its newest committed token pending then, which is what a tree round starts from.
+
+    Lossless for the same reason as each part: the chain verification and the tree round each commit only tokens
+    the full model accepts given the committed prefix (greedy: its argmax; sampling: speculative sampling against
+    the stored q, a point mass for an n-gram token)."""
+    t0 = time.perf_counter()
+    st0 = run.stats.levels[0]
+    stop = run._stop_pos()
+    grow = (run.seq < stop) & (run.gam[0] > 0)  # (not for rows `auto` switched to plain decoding)
+    n = run._propose_ngram(grow, torch.minimum(torch.full_like(stop, run.ngram.max_len), stop - run.seq))
+    hit = n > 0
+    if run.policy is not None:
+        run.policy.lookup_missed(grow & ~hit)
+    st0.proposed += int(n.sum())
+    st0.proposals += int(hit.sum())
+    st0.lookups += int(hit.sum())
+    st0.seconds += time.perf_counter() - t0
+    if not bool(hit.any()):
+        return True
+    run.exhausted |= hit
+    run.verify(1, hit)
+    return not bool(hit.all()) and run.commit()
 
 
 def _deepest(path: torch.Tensor) -> torch.Tensor:
@@ -458,7 +501,7 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     H = ad.hidden_size
     t0 = time.perf_counter()
     seq = run.seq.clone()
-    depth_cap = (run.limit - seq).clamp(min=0, max=D)
+    depth_cap = (run.limit - seq).clamp(min=0, max=D) * (run.gam[0] > 0)
 
     out, start, hf = run._advance(0, seq)
     if out is None:

@@ -169,6 +169,131 @@ def test_auto_takes_the_lookup_first_exit_and_counts_its_two_drafters_apart(monk
     assert bool((match_weight > decoding._AutoPolicy.PRIOR).all())  # every round tried the lookup
 
 
+# ---------------------------------------------------------------------------------------------- trees
+def _tree_priors(model, lookup: bool, top1=0.3, prompts=([5, 6, 7, 8, 9, 5, 6],)):
+    """Priors under which a wide depth-1 tree beats every chain: the exit's top-1 rarely agrees, its top-4 nearly
+    always; with `lookup` the n-gram pays too (the lookup-first exit drafts the tree)."""
+    exit_level = f"L{model.hispec_config.layer_of('draft')}"
+    rates = {f"{exit_level}>full": top1, "ngram>full": 0.8 if lookup else 0.0}
+    cal = _calibrated(model, lambda k: rates.get(k, 0.0), 0.5 if lookup else 0.0, prompts=prompts, realistic=True)
+    topk = {k: [top1, 0.7, 0.85, 0.95] + [0.95] * 4 if k == f"{exit_level}>full" else [0.0] * 8 for k in cal.topk}
+    cal = dataclasses.replace(cal, topk=topk)
+    model.hispec_config.calibration = cal.to_dict()
+    return cal
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_auto_drafts_trees_where_they_pay_and_stays_greedy_identical_for_every_family(family):
+    model = _wrap(tiny_model(family), head_type="linear")
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 17)
+    for lookup in (False, True):
+        cal = _tree_priors(model, lookup)
+        levels, tree = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
+        assert tree is not None and max(tree.widths) > 1
+        out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
+        assert torch.equal(out.sequences, ref), lookup
+        want = ("auto:ngram|L2>full[tree " if lookup else "auto:L2>full[tree ") + str(tree)
+        assert out.stats.strategy == want + "]" and out.stats.row_rounds > 0
+
+
+def test_auto_trees_switch_rows_to_plain_decoding_where_the_exit_fails(monkeypatch):
+    """Rows whose exit is always wrong go plain (gam 0: the tree pass gives them the model's own token); rows whose
+    exit is right keep drafting trees; output is plain decoding's either way."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
+    _tree_priors(model, lookup=False, top1=0.5)
+    good, bad = {0, 2}, {1, 3}
+    current = {}
+    rounds = _spy_choices(monkeypatch, current)
+    _flip_exit_logits(model, current, lambda row: row in bad)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 40)
+    out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    assert "[tree " in out.stats.strategy
+    for b in good:
+        assert all(g == 1 for g in rounds[b][1:]), f"row {b} (every top-1 right) should draft trees: {rounds[b]}"
+    for b in bad:
+        late = rounds[b][len(rounds[b]) // 3:]
+        assert late and all(g == 0 for g in late), f"row {b} (every draft wrong) should decode plainly: {rounds[b]}"
+    assert 0 < out.stats.plain_row_rounds < out.stats.row_rounds
+
+
+def test_auto_lookup_tree_counts_the_exit_and_the_ngram_apart_per_row(monkeypatch):
+    """Under the lookup-first exit with a tree, each row's exit estimate follows its own tree rounds (right rows up,
+    wrong rows down) while the n-gram serves rounds of both; output is plain decoding's."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
+    _tree_priors(model, lookup=True, top1=0.5)
+    current, seen = {}, {}
+    choose = decoding._AutoPolicy.choose
+
+    def spy(self, run):
+        current["run"] = run
+        choose(self, run)
+        for b, row in enumerate(run.orig.tolist()):
+            seen[row] = float(self.acc[b, 0] / (self.acc[b, 0] + self.rej[b, 0]))
+
+    monkeypatch.setattr(decoding._AutoPolicy, "choose", spy)
+    bad = {1, 3}
+    _flip_exit_logits(model, current, lambda row: row in bad)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 40)
+    out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.strategy.startswith("auto:ngram|L2>full[tree ")
+    assert out.stats.levels[0].lookups > 0
+    assert all(seen[b] < 0.3 for b in bad) and all(seen[b] > 0.7 for b in (0, 2)), seen
+
+
+def test_auto_tree_rows_that_went_plain_climb_back(monkeypatch):
+    model = _wrap(_oracle(tiny_model("qwen2"), 2), head_type="shared", draft=2, verify=4)
+    _tree_priors(model, lookup=False, top1=0.5)
+    calls = {"n": 0}
+    orig = model.exit_logits
+
+    def bad_at_first(name, hidden, *a, **kw):  # the heads are wrong for a while, then right
+        calls["n"] += 1
+        out = orig(name, hidden, *a, **kw)
+        return -out if calls["n"] <= 12 else out
+
+    model.exit_logits = bad_at_first
+    rounds = _spy_choices(monkeypatch, {})
+    ids, am = _ragged(1, 7)
+    ref = _hf_greedy(model.base, ids, am, 60)
+    out = model.generate(ids, am, max_new_tokens=60, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    g = rounds[0]
+    assert 0 in g, f"never went plain: {g}"
+    assert 1 in g[g.index(0):], f"never climbed back: {g}"
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["tree", "lookup-tree"])
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
+                         ids=["plain", "warped"])
+def test_auto_tree_sampling_matches_the_exact_distribution(warp, lookup):
+    model = _tiny_vocab_model()
+    cal = _tree_priors(model, lookup, prompts=([1, 3, 2],))
+    assert decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())[1] is not None
+    prompt, n = [1, 3, 2], 3
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    samples = _draw(model, prompt, n, warp, "auto", draws=6000, seed=11)
+    assert _chi2_pvalue(samples, outcomes, probs) > 1e-4
+
+
+def test_auto_plans_no_tree_without_topk_rates_or_room():
+    model = _wrap(tiny_model("llama"), head_type="linear")
+    cal = _tree_priors(model, lookup=True)
+    kw = dict(gamma=1, window=1, ngram=decoding.NgramConfig())
+    assert decoding._auto_plan(model, cal, **kw)[1] is not None
+    assert decoding._auto_plan(model, dataclasses.replace(cal, topk=None), **kw)[1] is None  # an older calibration
+    assert decoding._auto_plan(model, cal, max_new_tokens=0, **kw)[1] is None
+    flat = dataclasses.replace(cal, topk={k: [v[0]] * 8 for k, v in cal.topk.items()})  # width buys nothing
+    assert decoding._auto_plan(model, flat, **kw)[1] is None
+
+
 # ---------------------------------------------------------------------------------------------- defaults, bad input
 def test_without_a_calibration_the_default_is_plain_decoding_with_a_warning():
     model = _wrap(tiny_model("llama"))

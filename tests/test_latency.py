@@ -411,6 +411,26 @@ def test_tree_round_matches_a_hand_computation():
     assert lt.tree_time_per_token([2, 2], cal) == pytest.approx(R / (1 + 0.6 + 0.36))
 
 
+def test_lookup_first_tree_matches_a_hand_computation_the_chain_and_its_limits():
+    cal = dataclasses.replace(
+        with_topk(synthetic(acceptance={"L2>full": 0.4, "ngram>full": 0.7}, match=0.4, ngram=0.05),
+                  {"L2>full": [0.4, 0.6]}),
+        ngram={"max_ngram": 3, "min_ngram": 1, "max_len": 4})
+    R = lt.tree_round_seconds([2, 2], cal, "L2")  # checked by hand above
+    E_tree, E_n = 1 + 0.6 + 0.36, (1 - 0.7 ** 5) / 0.3
+    served = 0.1 + 10 * 1.8 + 2.4  # the lookup's 4 tokens: every layer over 5 rows, then the final norm + lm_head
+    want = (0.05 + 0.4 * served + 0.6 * R) / (0.4 * E_n + 0.6 * E_tree)  # one lookup per round
+    assert lt.lookup_tree_time_per_token([2, 2], cal) == pytest.approx(want)
+    # a one-node tree is the lookup-first chain of gamma 1
+    assert lt.lookup_tree_time_per_token([1], cal) == pytest.approx(lt.time_per_token(["ngram|L2", "full"], [1], cal))
+    # never matching: the tree plus the wasted lookup; always matching: the n-gram level
+    assert lt.lookup_tree_time_per_token([2, 2], cal, match=0.0) == pytest.approx(
+        lt.tree_time_per_token([2, 2], cal) + 0.05 / E_tree)
+    assert lt.lookup_tree_time_per_token([2, 2], cal, match=1.0) == pytest.approx(
+        lt.time_per_token(["ngram", "full"], [4], cal, ngram_match=1.0))
+    assert lt.lookup_tree_time_per_token([2, 2], cal, acceptance={"ngram>full": 0.9}) < want
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_a_tree_of_width_one_is_the_chain(seed):
     rnd = random.Random(seed)

@@ -12,6 +12,7 @@ from tiny import FAMILIES, tiny_model
 
 from hispec import sampling, tree as tree_mod
 from hispec.cache import KVCache
+from hispec.ngram import NgramConfig
 
 SHAPES = ([1], [3], [1, 1, 1], [3, 2, 1], [4, 2, 2, 1], "2x2x2x2")
 
@@ -163,6 +164,75 @@ def test_greedy_tree_with_context_heads_equals_hf_generate(family):
         assert torch.equal(out.sequences, ref), shape
 
 
+# ---------------------------------------------------------------------------------------------- lookup first
+LOOKUP_SHAPES = ([3], [2, 2, 1], "dyn-3-2-2-5")
+
+
+def _lookup_tree(model, ids, am, n, shape, **kw):
+    """`self-spec-lookup` with a tree, the lookup matching 2-grams (a tiny random model repeats single tokens so
+    often that 1-grams would serve every round); also checks that both drafters served rounds."""
+    out = model.generate(ids, am, max_new_tokens=n, strategy="self-spec-lookup", tree=shape,
+                         ngram=NgramConfig(min_ngram=2), **kw)
+    lv0 = out.stats.levels[0]
+    assert lv0.name.startswith("ngram|") and 0 < lv0.lookups < lv0.proposals + lv0.passes, shape
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_lookup_first_tree_equals_hf_generate_for_every_family(family):
+    model = _wrap(tiny_model(family))
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 17)
+    for shape in LOOKUP_SHAPES:
+        out = _lookup_tree(model, ids, am, 17, shape)
+        assert torch.equal(out.sequences, ref), shape
+        assert out.stats.new_tokens == 4 * 17
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 6])
+def test_each_row_of_a_lookup_first_tree_batch_equals_its_single_run(batch_size):
+    """In a batch some rows are served by the lookup while others draft a tree (the mixed round of
+    `tree._lookup_first`); every row must still be what it is alone and what hf gives."""
+    model = _perturbed()
+    ids, am = _ragged(batch_size, 8, seed=batch_size)
+    ref = _hf_greedy(model.base, ids, am, 13)
+    for shape in ([3, 2], "dyn-3-2-2-5"):
+        out = _lookup_tree(model, ids, am, 13, shape)
+        assert torch.equal(out.sequences, ref)
+        for b in range(batch_size):
+            single = model.generate(ids[b : b + 1, am[b].bool()], max_new_tokens=13, strategy="ngram|draft>full",
+                                    tree=shape, ngram=NgramConfig(min_ngram=2))
+            assert single.new_tokens[0] == out.new_tokens[b]
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_lookup_first_tree_limits_and_eos_like_hf(oracle):
+    base = tiny_model("mistral")
+    model = _wrap(_oracle(base, 2) if oracle else base)
+    ids, am = _ragged(3, 7)
+    for max_new in (3, 4, 7):
+        ref = _hf_greedy(model.base, ids, am, max_new)
+        out = model.generate(ids, am, max_new_tokens=max_new, strategy="self-spec-lookup", tree=[2, 2, 1])
+        assert torch.equal(out.sequences, ref) and all(len(t) == max_new for t in out.new_tokens)
+    free = _hf_greedy(model.base, ids, am, 20)
+    eos = int(free[0, 7 + 5])
+    ref = _hf_greedy(model.base, ids, am, 20, eos_token_id=eos)
+    out = model.generate(ids, am, max_new_tokens=20, strategy="self-spec-lookup", tree=[3, 2], eos_token_id=eos,
+                         pad_token_id=0)
+    assert torch.equal(out.sequences, ref[:, : out.sequences.shape[1]])
+    assert out.new_tokens[0][-1] == eos and len(out.new_tokens[0]) <= 6
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_lookup_first_tree_with_context_and_layer_heads_equals_hf_generate(family):
+    for model in (_context_model(family, mid=family == "llama"), _layer_model(family)):
+        ids, am = _ragged(4, 9)
+        ref = _hf_greedy(model.base, ids, am, 15)
+        for shape in ([3, 2, 1], [4]):
+            out = _lookup_tree(model, ids, am, 15, shape)
+            assert torch.equal(out.sequences, ref), shape
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kwargs,match",
@@ -225,10 +295,10 @@ def test_cache_compact_keeps_each_rows_chosen_slots():
 
 
 # ---------------------------------------------------------------------------------------------- sampling
-def _draw_tree(model, prompt, n, warp, shape, draws, seed):
+def _draw_tree(model, prompt, n, warp, shape, draws, seed, strategy="self-spec"):
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt] * draws)
-    out = model.generate(ids, max_new_tokens=n, strategy="self-spec", do_sample=True, tree=shape, generator=g,
+    out = model.generate(ids, max_new_tokens=n, strategy=strategy, do_sample=True, tree=shape, generator=g,
                          **warp)
     return [tuple(t) for t in out.new_tokens], out.stats
 
@@ -351,13 +421,16 @@ from test_bench import checkpoint, common, prompts_file, run_cli  # noqa: E402,F
 
 
 def test_bench_runs_tree_strategies_losslessly(checkpoint, prompts_file, capsys):  # noqa: F811
-    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", "hf,self-spec,tree:3x2x1")
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies",
+                               "hf,self-spec,tree:3x2x1,lookup-tree:3")
     assert rc == 0, out.err
     assert summary["lossless"] is True
-    s = summary["strategies"]["tree:3x2x1"]
-    assert s["identical"] == 1.0 and s["tokens_per_target_pass"] >= 1.0 and s["tokens_per_s"] > 0
-    assert s["predicted_speedup_vs_ar"] > 0  # static trees are priced by the latency model (hispec.latency)
-    assert any(line.startswith("tree:3x2x1 ") for line in out.out.splitlines())
+    for name, hierarchy in (("tree:3x2x1", "L2>full[tree 3x2x1]"), ("lookup-tree:3", "ngram|L2>full[tree 3]")):
+        s = summary["strategies"][name]
+        assert s["identical"] == 1.0 and s["tokens_per_target_pass"] >= 1.0 and s["tokens_per_s"] > 0
+        assert s["predicted_speedup_vs_ar"] > 0  # static trees are priced by the latency model (hispec.latency)
+        assert s["hierarchy"] == hierarchy
+        assert any(line.startswith(name + " ") for line in out.out.splitlines())
 
 
 def test_bench_refuses_a_bad_tree_before_any_work(checkpoint, prompts_file, capsys):  # noqa: F811
@@ -402,6 +475,23 @@ def test_tree_sampling_with_eos_matches_the_truncated_distribution():
     p = _chi2_pvalue(samples, keys, torch.tensor([cut[k] for k in keys]))
     print(f"tree sampling with EOS: chi-square p = {p:.4g}")
     assert p > 1e-4
+
+
+@pytest.mark.parametrize("warp", WARPS, ids=["plain", "warped"])
+@pytest.mark.parametrize("shape", [[2], [3, 2]], ids=str)
+def test_lookup_first_tree_sampling_matches_the_exact_distribution(shape, warp):
+    """Rounds served by the n-gram (point-mass drafts, chain verification) and tree rounds (children drawn without
+    replacement) in one run: the output law is still the model's."""
+    model = _tiny_vocab_model()
+    prompt, n = [1, 3, 2, 1, 3], 3
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    samples, stats = _draw_tree(model, prompt, n, warp, shape, draws=6000, seed=13, strategy="self-spec-lookup")
+    p = _chi2_pvalue(samples, outcomes, probs)
+    print(f"lookup-first tree {shape} {warp}: chi-square p = {p:.4g}")
+    assert p > 1e-4
+    lv0, lv1 = stats.levels
+    assert 0 < lv0.lookups < lv0.proposals + lv0.passes  # both drafters proposed
+    assert 0 < lv1.accepted < lv1.proposed
 
 
 class _CharTokenizer:

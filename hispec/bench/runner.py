@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .. import latency
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
-from ..decoding import _auto_chain, build_levels, parse_hierarchy
+from ..decoding import _auto_plan, build_levels, parse_hierarchy
 from ..ngram import NgramConfig
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
 from ..tree import TreeSpec, parse_tree
@@ -30,7 +30,7 @@ VERIFICATION_SUFFIXES = ("token", "hsd")  # hispec.sampling.VERIFICATIONS
 
 def split_verification(strategy: str) -> tuple[str, str | None]:
     """`"hispec:hsd"` -> ("hispec", "hsd"); `"hispec"` -> ("hispec", None). Raises ValueError on a bad suffix."""
-    if strategy.startswith(TREE_PREFIX):
+    if strategy.startswith(TREE_PREFIXES):
         return strategy, None
     name, sep, rule = strategy.partition(":")
     if not sep:
@@ -56,13 +56,22 @@ def with_both_verifications(strategies) -> tuple[str, ...]:
 
 
 TREE_PREFIX = "tree:"  # strategy "tree:4x2x1": self-spec drafting that static tree (hispec.tree)
+LOOKUP_TREE_PREFIX = "lookup-tree:"  # "lookup-tree:4": self-spec-lookup, the exit drafting that tree
+TREE_PREFIXES = (TREE_PREFIX, LOOKUP_TREE_PREFIX)
 
 
 def tree_of(strategy: str):
-    """`"tree:4x2x1"` -> its TreeSpec (ValueError when malformed); None for any other strategy."""
-    if not strategy.startswith(TREE_PREFIX):
-        return None
-    return parse_tree(strategy[len(TREE_PREFIX):])
+    """`"tree:4x2x1"` / `"lookup-tree:4"` -> its TreeSpec (ValueError when malformed); None for any other
+    strategy."""
+    for prefix in TREE_PREFIXES:
+        if strategy.startswith(prefix):
+            return parse_tree(strategy[len(prefix):])
+    return None
+
+
+def tree_strategy(strategy: str) -> str:
+    """The hispec strategy a tree strategy decodes with: `self-spec`, or `self-spec-lookup` for `lookup-tree:`."""
+    return "self-spec-lookup" if strategy.startswith(LOOKUP_TREE_PREFIX) else "self-spec"
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -281,7 +290,7 @@ class Runner:
             t0 = time.perf_counter()
             name, rule = split_verification(strategy)
             tree = tree_of(name)
-            out = model.generate(ids, mask, max_new_tokens=n, strategy="self-spec" if tree else name,
+            out = model.generate(ids, mask, max_new_tokens=n, strategy=tree_strategy(name) if tree else name,
                                  tree=tree, do_sample=not cfg.greedy,
                                  verification=None if tree else rule or cfg.verification,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
@@ -443,13 +452,22 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         tree = tree_of(s)
         if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)
             if isinstance(tree, TreeSpec) and cal.topk:
-                out[s] = plain / latency.tree_time_per_token(list(tree.widths), cal)
+                per_token = (latency.lookup_tree_time_per_token if tree_strategy(s) == "self-spec-lookup"
+                             else latency.tree_time_per_token)
+                out[s] = plain / per_token(list(tree.widths), cal)
             continue
         name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
-        levels = _auto_chain(model, cal, **kw) if name == "auto" else build_levels(model, parse_hierarchy(name, model),
-                                                                                 **kw)
+        auto_tree = None
+        if name == "auto":
+            levels, auto_tree = _auto_plan(model, cal, max_new_tokens=config.max_new_tokens, **kw)
+        else:
+            levels = build_levels(model, parse_hierarchy(name, model), **kw)
         names = [lv.name for lv in levels]
-        t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
+        if auto_tree is not None:
+            per_token = latency.lookup_tree_time_per_token if levels[0].lookup else latency.tree_time_per_token
+            t = per_token(list(auto_tree.widths), cal, names[0].removeprefix(latency.LOOKUP))
+        else:
+            t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
         if name == "auto":  # rows may also decode plainly: the better of the two
             t = min(t, plain)
         elif not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(default: checkpoint's)")
     p.add_argument("--tree", metavar="WIDTHS",
                    help="draft a static tree instead of a chain, children per node at each depth, e.g. 4x2x1 "
-                        "(self-spec / draft>full only; verified in one full pass; see hispec.tree), or a dynamic tree "
+                        "(self-spec / draft>full, or self-spec-lookup: the n-gram lookup first; verified in one full pass; "
+                        "see hispec.tree), or a dynamic tree "
                         "dyn-DEPTH-TOPK-BEAM-NODES, e.g. dyn-5-4-4-16 (greedy only)")
     p.add_argument("--ngram-max", type=int, help="n-gram level: longest suffix matched (default 3)")
     p.add_argument("--ngram-min", type=int, help="n-gram level: shortest suffix tried (default 1)")
