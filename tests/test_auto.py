@@ -46,6 +46,14 @@ def test_auto_is_greedy_identical_for_every_family(family):
         out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
         assert torch.equal(out.sequences, ref), name
         assert out.stats.strategy.startswith("auto:") and out.stats.row_rounds > 0
+    for lookup in (False, True):  # priors under which auto drafts trees (the exit's own, or lookup-first)
+        cal = _tree_priors(model, lookup)
+        levels, tree = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
+        assert tree is not None and max(tree.widths) > 1
+        out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
+        assert torch.equal(out.sequences, ref), lookup
+        want = ("auto:ngram|L2>full[tree " if lookup else "auto:L2>full[tree ") + str(tree)
+        assert out.stats.strategy == want + "]" and out.stats.row_rounds > 0
 
 
 @pytest.mark.parametrize("priors", ["flat", "lookup-first"])
@@ -95,13 +103,31 @@ def _flip_exit_logits(model, current, bad):
     model.exit_logits = patched
 
 
+def _tree_priors(model, lookup: bool, top1=0.3, prompts=([5, 6, 7, 8, 9, 5, 6],)):
+    """Priors under which a wide depth-1 tree beats every chain: the exit's top-1 rarely agrees, its top-4 nearly
+    always; with `lookup` the n-gram pays too (the lookup-first exit drafts the tree)."""
+    exit_level = f"L{model.hispec_config.layer_of('draft')}"
+    rates = {f"{exit_level}>full": top1, "ngram>full": 0.8 if lookup else 0.0}
+    cal = _calibrated(model, lambda k: rates.get(k, 0.0), 0.5 if lookup else 0.0, prompts=prompts, realistic=True)
+    topk = {k: [top1, 0.7, 0.85, 0.95] + [0.95] * 4 if k == f"{exit_level}>full" else [0.0] * 8 for k in cal.topk}
+    cal = dataclasses.replace(cal, topk=topk)
+    model.hispec_config.calibration = cal.to_dict()
+    return cal
+
+
 def _self_spec_only(k):  # priors that make L2 > full the chosen chain (no n-gram, no intermediate exit)
     return 0.8 if k == "L2>full" else 0.0
 
 
-def test_rows_with_wildly_different_acceptance_adapt_separately_in_one_batch(monkeypatch):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_rows_with_wildly_different_acceptance_adapt_separately_in_one_batch(monkeypatch, tree):
+    """Rows whose exit is always wrong go plain; rows whose exit is right speculate (chains: long gammas; trees: the
+    tree, while a plain row gets the model's own token from the tree pass); output is plain decoding's either way."""
     model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
-    _calibrated(model, _self_spec_only, 0.0, realistic=True)
+    if tree:
+        _tree_priors(model, lookup=False, top1=0.5)
+    else:
+        _calibrated(model, _self_spec_only, 0.0, realistic=True)
     good, bad = {0, 2}, {1, 3}
     current = {}
     rounds = _spy_choices(monkeypatch, current)
@@ -110,20 +136,24 @@ def test_rows_with_wildly_different_acceptance_adapt_separately_in_one_batch(mon
     ref = _hf_greedy(model.base, ids, am, 40)
     out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
     assert torch.equal(out.sequences, ref)
-    assert out.stats.strategy == "auto:L2>full"
+    assert out.stats.strategy.startswith("auto:L2>full[tree ") if tree else out.stats.strategy == "auto:L2>full"
     for b in good:
-        late = rounds[b][2:]
-        assert all(g >= 2 for g in late), f"row {b} (every draft accepted) should speculate: {rounds[b]}"
+        late = rounds[b][1:] if tree else rounds[b][2:]
+        assert all(g >= (1 if tree else 2) for g in late), f"row {b} (every draft right) should speculate: {rounds[b]}"
     for b in bad:
         late = rounds[b][len(rounds[b]) // 3:]
-        assert all(g == 0 for g in late), f"row {b} (every draft rejected) should decode plainly: {rounds[b]}"
+        assert late and all(g == 0 for g in late), f"row {b} (every draft wrong) should decode plainly: {rounds[b]}"
     assert len(rounds[1]) > 2 * len(rounds[0])  # plain rows need a round per token
     assert 0 < out.stats.plain_row_rounds < out.stats.row_rounds
 
 
-def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monkeypatch):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monkeypatch, tree):
     model = _wrap(_oracle(tiny_model("qwen2"), 2), head_type="shared", draft=2, verify=4)
-    _calibrated(model, _self_spec_only, 0.0, realistic=True)
+    if tree:  # auto drafts trees (`_tree_priors`): a row's choice is the tree (gam 1) or plain (gam 0)
+        _tree_priors(model, lookup=False, top1=0.5)
+    else:
+        _calibrated(model, _self_spec_only, 0.0, realistic=True)
     calls = {"n": 0}
     orig = model.exit_logits
 
@@ -138,9 +168,10 @@ def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monke
     ref = _hf_greedy(model.base, ids, am, 60)
     out = model.generate(ids, am, max_new_tokens=60, strategy="auto")
     assert torch.equal(out.sequences, ref)
+    assert ("[tree " in out.stats.strategy) == tree
     g = rounds[0]
-    first_plain = g.index(0)
-    assert any(x >= 2 for x in g[first_plain:]), f"never climbed back: {g}"
+    assert 0 in g, f"never went plain: {g}"
+    assert any(x >= (1 if tree else 2) for x in g[g.index(0):]), f"never climbed back: {g}"
 
 
 def test_auto_takes_the_lookup_first_exit_and_counts_its_two_drafters_apart(monkeypatch):
@@ -170,58 +201,6 @@ def test_auto_takes_the_lookup_first_exit_and_counts_its_two_drafters_apart(monk
 
 
 # ---------------------------------------------------------------------------------------------- trees
-def _tree_priors(model, lookup: bool, top1=0.3, prompts=([5, 6, 7, 8, 9, 5, 6],)):
-    """Priors under which a wide depth-1 tree beats every chain: the exit's top-1 rarely agrees, its top-4 nearly
-    always; with `lookup` the n-gram pays too (the lookup-first exit drafts the tree)."""
-    exit_level = f"L{model.hispec_config.layer_of('draft')}"
-    rates = {f"{exit_level}>full": top1, "ngram>full": 0.8 if lookup else 0.0}
-    cal = _calibrated(model, lambda k: rates.get(k, 0.0), 0.5 if lookup else 0.0, prompts=prompts, realistic=True)
-    topk = {k: [top1, 0.7, 0.85, 0.95] + [0.95] * 4 if k == f"{exit_level}>full" else [0.0] * 8 for k in cal.topk}
-    cal = dataclasses.replace(cal, topk=topk)
-    model.hispec_config.calibration = cal.to_dict()
-    return cal
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_auto_drafts_trees_where_they_pay_and_stays_greedy_identical_for_every_family(family):
-    model = _wrap(tiny_model(family), head_type="linear")
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    ids, am = _ragged(4, 9)
-    ref = _hf_greedy(model.base, ids, am, 17)
-    for lookup in (False, True):
-        cal = _tree_priors(model, lookup)
-        levels, tree = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
-        assert tree is not None and max(tree.widths) > 1
-        out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
-        assert torch.equal(out.sequences, ref), lookup
-        want = ("auto:ngram|L2>full[tree " if lookup else "auto:L2>full[tree ") + str(tree)
-        assert out.stats.strategy == want + "]" and out.stats.row_rounds > 0
-
-
-def test_auto_trees_switch_rows_to_plain_decoding_where_the_exit_fails(monkeypatch):
-    """Rows whose exit is always wrong go plain (gam 0: the tree pass gives them the model's own token); rows whose
-    exit is right keep drafting trees; output is plain decoding's either way."""
-    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
-    _tree_priors(model, lookup=False, top1=0.5)
-    good, bad = {0, 2}, {1, 3}
-    current = {}
-    rounds = _spy_choices(monkeypatch, current)
-    _flip_exit_logits(model, current, lambda row: row in bad)
-    ids, am = _ragged(4, 9)
-    ref = _hf_greedy(model.base, ids, am, 40)
-    out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
-    assert torch.equal(out.sequences, ref)
-    assert "[tree " in out.stats.strategy
-    for b in good:
-        assert all(g == 1 for g in rounds[b][1:]), f"row {b} (every top-1 right) should draft trees: {rounds[b]}"
-    for b in bad:
-        late = rounds[b][len(rounds[b]) // 3:]
-        assert late and all(g == 0 for g in late), f"row {b} (every draft wrong) should decode plainly: {rounds[b]}"
-    assert 0 < out.stats.plain_row_rounds < out.stats.row_rounds
-
-
 def test_auto_lookup_tree_counts_the_exit_and_the_ngram_apart_per_row(monkeypatch):
     """Under the lookup-first exit with a tree, each row's exit estimate follows its own tree rounds (right rows up,
     wrong rows down) while the n-gram serves rounds of both; output is plain decoding's."""
@@ -246,28 +225,6 @@ def test_auto_lookup_tree_counts_the_exit_and_the_ngram_apart_per_row(monkeypatc
     assert out.stats.strategy.startswith("auto:ngram|L2>full[tree ")
     assert out.stats.levels[0].lookups > 0
     assert all(seen[b] < 0.3 for b in bad) and all(seen[b] > 0.7 for b in (0, 2)), seen
-
-
-def test_auto_tree_rows_that_went_plain_climb_back(monkeypatch):
-    model = _wrap(_oracle(tiny_model("qwen2"), 2), head_type="shared", draft=2, verify=4)
-    _tree_priors(model, lookup=False, top1=0.5)
-    calls = {"n": 0}
-    orig = model.exit_logits
-
-    def bad_at_first(name, hidden, *a, **kw):  # the heads are wrong for a while, then right
-        calls["n"] += 1
-        out = orig(name, hidden, *a, **kw)
-        return -out if calls["n"] <= 12 else out
-
-    model.exit_logits = bad_at_first
-    rounds = _spy_choices(monkeypatch, {})
-    ids, am = _ragged(1, 7)
-    ref = _hf_greedy(model.base, ids, am, 60)
-    out = model.generate(ids, am, max_new_tokens=60, strategy="auto")
-    assert torch.equal(out.sequences, ref)
-    g = rounds[0]
-    assert 0 in g, f"never went plain: {g}"
-    assert 1 in g[g.index(0):], f"never climbed back: {g}"
 
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "lookup-tree"])

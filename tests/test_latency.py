@@ -451,6 +451,16 @@ def test_best_tree_is_the_fastest_shape_within_its_budget():
               if list(w) == sorted(w, reverse=True) and sum(math.prod(w[:i + 1]) for i in range(D)) <= 24]
     assert t <= min(lt.tree_time_per_token(w, cal) for w in shapes) + 1e-12  # brute force, same space
     assert lt.best_tree(cal, max_nodes=24) == (widths, t)  # memoised
+    lw, lt_ = lt.best_tree(cal, max_nodes=24, lookup=True)  # the lookup-first exit drafting it: its own optimum
+    assert lt_ == pytest.approx(min(lt.lookup_tree_time_per_token(w, cal) for w in shapes))
+    assert lt_ == pytest.approx(lt.lookup_tree_time_per_token(lw, cal))
+
+
+def test_scaled_topk_moves_the_rates_to_a_rows_top1():
+    assert lt.scaled_topk([0.4, 0.6, 0.8], 0.2) == pytest.approx([0.2, 0.3, 0.4])
+    assert lt.scaled_topk([0.4, 0.6, 0.8], 0.8) == pytest.approx([0.8, 1.0, 1.0])  # clipped
+    assert lt.scaled_topk([0.4, 0.6], 0.0) == [0.0, 0.0]
+    assert lt.scaled_topk([0.0, 0.5], 0.3) == [0.0, 0.5]  # no calibrated top-1: unchanged
 
 
 def test_trees_need_a_calibration_with_topk_rates_and_valid_widths():

@@ -39,13 +39,14 @@ def format_table(summary: Summary) -> str:
     names = list(summary.strategies)
     preds = [s for s in summary.strategies.values() if s.predicted_speedup_vs_ar is not None]
     if preds:
+        hw = max(26, *(len(s.hierarchy or "-") + 2 for s in preds))  # e.g. "auto:ngram|L4>full[tree 5]" in full
         lines += ["", "latency model vs measured, speedup over ar: predicted from the checkpoint's calibration, and "
                   "from this run's own acceptance rates (the cost model alone)",
-                  f"{'strategy':<17}{'hierarchy':<26}{'measured':>9}{'pred cal':>9}{'error':>8}{'pred obs':>9}"
+                  f"{'strategy':<17}{'hierarchy':<{hw}}{'measured':>9}{'pred cal':>9}{'error':>8}{'pred obs':>9}"
                   f"{'error':>8}{'plain %':>8}  observed acceptance"]
         for s in preds:
             obs = ", ".join(f"{k} {v:.2f}" for k, v in (s.observed_acceptance or {}).items() if v is not None)
-            lines.append(f"{s.strategy:<17}{(s.hierarchy or '-')[:25]:<26}{_f(s.speedup_vs_ar, '{:.2f}x'):>9}"
+            lines.append(f"{s.strategy:<17}{s.hierarchy or '-':<{hw}}{_f(s.speedup_vs_ar, '{:.2f}x'):>9}"
                          f"{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>9}{_f(s.prediction_error, '{:+.0%}'):>8}"
                          f"{_f(s.predicted_speedup_observed, '{:.2f}x'):>9}{_f(s.prediction_error_observed, '{:+.0%}'):>8}"
                          f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>8}  {obs}")
