@@ -861,21 +861,20 @@ class _AutoPolicy:
         self._update(i, shadow, x, 1 - x)
 
     def observe_tree(self, run: _Run, drafted, top1, part, new, probs):
-        """Called by a tree round (`hispec.tree`) after its verification, before the state moves on. `drafted`
-        rows drafted a tree: `top1` is one observation of their exit's top-1 rate at the root (greedy: whether the
-        full model's token is the exit's top-1; sampling: the exact acceptance probability sum(min(p, q)) of one
-        draft from the exit's q). The other rows of `part` (still decoding) got a plain token from this pass
-        (`new`, probabilities `probs[:, 0]`): their switched-off drafters are shadowed as in `observe`."""
+        """Called by a tree round (`hispec.tree`) after its verification, before the state moves on. `top1` is,
+        for every row of `part` (still decoding), one observation of its exit's top-1 rate at the root (greedy:
+        whether the full model's token is the exit's top-1; sampling: the exact acceptance probability
+        sum(min(p, q)) of one draft from the exit's q): the pass computes the exit's root logits for every row,
+        so rows decoding plainly (not `drafted`) are measured exactly and for free, `layer` heads too. Their
+        switched-off lookup is shadowed as in `observe` (`new`, probabilities `probs[:, 0]`)."""
         cpu = lambda t: t.detach().cpu()  # noqa: E731
         drafted, part = cpu(drafted), cpu(part)
-        rows = drafted.nonzero().flatten()
+        rows = part.nonzero().flatten()
         x = cpu(top1).double()[rows]
         self._update(0, rows, x, 1 - x)
         shadow = (part & ~drafted).nonzero().flatten()
-        if shadow.numel():
-            if self.lookup:
-                self._shadow_lookup(run, None, shadow, new, probs)
-            self._shadow_exit(run, 1, shadow, new, probs)
+        if shadow.numel() and self.lookup:
+            self._shadow_lookup(run, None, shadow, new, probs)
 
     def lookup_missed(self, rows: torch.Tensor):
         """Rows (bool [B]) whose lookup-first exit tried the n-gram before a tree round and found nothing (the rows
@@ -892,7 +891,7 @@ class _AutoPolicy:
         key = self.latency.pair_key(exit_level, "full")
         rates, widths = self.cal.topk[key], list(self.tree.widths)
         plain = self.cal.plain_seconds_per_token()
-        gam = run.gam[0].clone()
+        gam = [0] * alphas.shape[0]
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
             topk = {key: self.latency.scaled_topk(rates, float(alphas[b, 0]))}
@@ -905,7 +904,7 @@ class _AutoPolicy:
             on = t < plain * (1 - margin)
             gam[b] = 1 if on else 0
             self.lowest[b] = 0 if on else 1
-        run.gam = [gam]
+        run.gam = [torch.tensor(gam, dtype=run.gam[0].dtype, device=run.gam[0].device)]
 
     def choose(self, run: _Run):
         alphas = self.acc / (self.acc + self.rej).clamp(min=1e-9)  # [B, K]: latency.acceptance_from_counts

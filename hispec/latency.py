@@ -598,17 +598,21 @@ def tree_expected_tokens(widths, rates) -> float:
 
 
 def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
-    """R(tree): the predicted seconds of one static tree round drafted by `level` (see the module docstring)."""
-    e, L, o = cal.depth(level), cal.num_layers, cal.step_overhead
-    counts, n = [], 1
-    for k in widths:
-        n *= int(k)
-        counts.append(n)
-    t = e * cal.layer_cost(1) + cal.head_cost(level, 1) + o
-    for nd in counts[:-1]:
-        t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
-    N = sum(counts)
-    return t + e * cal.layer_cost(counts[-1]) + (L - e) * cal.layer_cost(N + 1) + cal.head_cost(FULL, N + 1) + o
+    """R(tree): the predicted seconds of one static tree round drafted by `level` (see the module docstring);
+    memoised per calibration (`auto` prices its tree for every row before every round)."""
+    def compute():
+        e, L, o = cal.depth(level), cal.num_layers, cal.step_overhead
+        counts, n = [], 1
+        for k in widths:
+            n *= int(k)
+            counts.append(n)
+        t = e * cal.layer_cost(1) + cal.head_cost(level, 1) + o
+        for nd in counts[:-1]:
+            t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
+        N = sum(counts)
+        return t + e * cal.layer_cost(counts[-1]) + (L - e) * cal.layer_cost(N + 1) + cal.head_cost(FULL, N + 1) + o
+
+    return cal._cached(("tree_round", tuple(int(k) for k in widths), level), compute)
 
 
 def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None) -> float:

@@ -20,7 +20,8 @@ still produce, deeper nodes are invalid slots for it):
    depth; the full model's own sample after the deepest accepted node. An accepted EOS ends the path.
 
 Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): before the tree, every row tries the n-gram lookup;
-rows it serves are verified as a chain and the rest draft the tree (`_lookup_first`). Under `auto` a row whose
+rows it serves are verified as a chain, and then every row still decoding (in a batch the served ones too) drafts
+the tree (`_lookup_first`). Under `auto` a row whose
 `gam[0]` is 0 decodes plainly: it drafts nothing (no lookup, no tree nodes) and gets the full model's token from the
 tree round's pass; the policy observes each round (`_AutoPolicy.observe_tree`).
 
@@ -120,7 +121,8 @@ def check_tree(spec, levels, *, max_new_tokens: int, policy, do_sample: bool = F
         raise ValueError(f"tree drafts need a hierarchy of one draft exit under the full model (e.g. 'self-spec' "
                          f"or 'draft>full'), got {'>'.join(lv.name for lv in levels)}")
     if policy is not None:
-        raise ValueError("tree drafts do not take a policy (strategy='auto' changes chain lengths, not trees)")
+        raise ValueError("tree drafts do not take a policy of yours (strategy='auto' plans its own trees where "
+                         "the calibration predicts them faster: drop tree= to let it)")
     if max_new_tokens and spec.depth > max_new_tokens:
         raise ValueError(f"tree {spec} is {spec.depth} deep but max_new_tokens is {max_new_tokens}; "
                          f"a tree deeper than the tokens to generate drafts nothing that can be used")
@@ -254,7 +256,7 @@ def tree_round(run, spec):
         st0.passes += 1
         st0.row_passes += int(nvalid[:, lay.nodes(d)].any(1).sum())
     st0.proposed += int(nvalid.sum())
-    st0.proposals += B
+    st0.proposals += int((depth_cap > 0).sum())  # rows that drafted (not plain rows, not rows at their limit)
     st0.seconds += time.perf_counter() - t0
     t1 = time.perf_counter()
 
@@ -591,7 +593,7 @@ def dynamic_round(run, spec: DynamicTreeSpec):
         st0.passes += 1
         st0.row_passes += int(sel_ok.any(1).sum())
     st0.proposed += int(nvalid.sum())
-    st0.proposals += B
+    st0.proposals += int((depth_cap > 0).sum())  # rows that drafted (not plain rows, not rows at their limit)
     st0.seconds += time.perf_counter() - t0
     t1 = time.perf_counter()
 

@@ -54,6 +54,7 @@ def test_auto_is_greedy_identical_for_every_family(family):
         assert torch.equal(out.sequences, ref), lookup
         want = ("auto:ngram|L2>full[tree " if lookup else "auto:L2>full[tree ") + str(tree)
         assert out.stats.strategy == want + "]" and out.stats.row_rounds > 0
+        assert out.stats.levels[1].proposed > 0  # rows drafted trees
 
 
 @pytest.mark.parametrize("priors", ["flat", "lookup-first"])
@@ -206,16 +207,23 @@ def test_auto_lookup_tree_counts_the_exit_and_the_ngram_apart_per_row(monkeypatc
     wrong rows down) while the n-gram serves rounds of both; output is plain decoding's."""
     model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
     _tree_priors(model, lookup=True, top1=0.5)
-    current, seen = {}, {}
-    choose = decoding._AutoPolicy.choose
+    current, seen, matches = {}, {}, []
+    choose, match = decoding._AutoPolicy.choose, decoding._AutoPolicy._match
 
     def spy(self, run):
         current["run"] = run
         choose(self, run)
         for b, row in enumerate(run.orig.tolist()):
             seen[row] = float(self.acc[b, 0] / (self.acc[b, 0] + self.rej[b, 0]))
+        matches.append([])  # this round's match observations, by original row
+
+    def spy_match(self, rows, hit):
+        match(self, rows, hit)
+        if matches:
+            matches[-1].extend(int(current["run"].orig[int(r)]) for r in rows)
 
     monkeypatch.setattr(decoding._AutoPolicy, "choose", spy)
+    monkeypatch.setattr(decoding._AutoPolicy, "_match", spy_match)
     bad = {1, 3}
     _flip_exit_logits(model, current, lambda row: row in bad)
     ids, am = _ragged(4, 9)
@@ -225,6 +233,8 @@ def test_auto_lookup_tree_counts_the_exit_and_the_ngram_apart_per_row(monkeypatc
     assert out.stats.strategy.startswith("auto:ngram|L2>full[tree ")
     assert out.stats.levels[0].lookups > 0
     assert all(seen[b] < 0.3 for b in bad) and all(seen[b] > 0.7 for b in (0, 2)), seen
+    # every row that tried the lookup counts once per round, whether it was served (chain) or missed (tree)
+    assert all(len(r) == len(set(r)) for r in matches) and sum(map(len, matches)) > 0
 
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "lookup-tree"])
@@ -232,12 +242,17 @@ def test_auto_lookup_tree_counts_the_exit_and_the_ngram_apart_per_row(monkeypatc
                          ids=["plain", "warped"])
 def test_auto_tree_sampling_matches_the_exact_distribution(warp, lookup):
     model = _tiny_vocab_model()
-    cal = _tree_priors(model, lookup, prompts=([1, 3, 2],))
-    assert decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())[1] is not None
+    _tree_priors(model, lookup, prompts=([1, 3, 2],))
     prompt, n = [1, 3, 2], 3
     outcomes, probs = _exact_joint(model, prompt, n, warp)
-    samples = _draw(model, prompt, n, warp, "auto", draws=6000, seed=11)
-    assert _chi2_pvalue(samples, outcomes, probs) > 1e-4
+    g = torch.Generator().manual_seed(11)
+    out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="auto", do_sample=True,
+                         generator=g, **warp)
+    s = out.stats
+    assert s.strategy.startswith("auto:ngram|L1>full[tree " if lookup else "auto:L1>full[tree "), s.strategy
+    assert s.levels[1].proposed > 0 and s.plain_row_rounds < s.row_rounds  # rows drafted trees
+    assert (s.levels[0].lookups > 0) == lookup  # and the lookup served rounds of its own
+    assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4
 
 
 def test_auto_plans_no_tree_without_topk_rates_or_room():

@@ -189,16 +189,34 @@ def test_greedy_lookup_first_tree_equals_hf_generate_for_every_family(family):
         assert out.stats.new_tokens == 4 * 17
 
 
+def _spy_lookup_rounds(monkeypatch):
+    """Record each `tree._lookup_first` call as (rows before, rows the lookup served, rows after)."""
+    rounds, orig = [], tree_mod._lookup_first
+
+    def spy(run):
+        B, served = len(run.seq), run.stats.levels[0].lookups
+        follow = orig(run)
+        rounds.append((B, run.stats.levels[0].lookups - served, len(run.seq)))
+        return follow
+
+    monkeypatch.setattr(tree_mod, "_lookup_first", spy)
+    return rounds
+
+
 @pytest.mark.parametrize("batch_size", [1, 3, 6])
-def test_each_row_of_a_lookup_first_tree_batch_equals_its_single_run(batch_size):
+def test_each_row_of_a_lookup_first_tree_batch_equals_its_single_run(batch_size, monkeypatch):
     """In a batch some rows are served by the lookup while others draft a tree (the mixed round of
     `tree._lookup_first`); every row must still be what it is alone and what hf gives."""
     model = _perturbed()
     ids, am = _ragged(batch_size, 8, seed=batch_size)
     ref = _hf_greedy(model.base, ids, am, 13)
+    rounds = _spy_lookup_rounds(monkeypatch)
     for shape in ([3, 2], "dyn-3-2-2-5"):
         out = _lookup_tree(model, ids, am, 13, shape)
         assert torch.equal(out.sequences, ref)
+        if batch_size > 1:
+            assert any(0 < served < B for B, served, _ in rounds), rounds  # a mixed round happened
+        rounds.clear()
         for b in range(batch_size):
             single = model.generate(ids[b : b + 1, am[b].bool()], max_new_tokens=13, strategy="ngram|draft>full",
                                     tree=shape, ngram=NgramConfig(min_ngram=2))
@@ -206,14 +224,17 @@ def test_each_row_of_a_lookup_first_tree_batch_equals_its_single_run(batch_size)
 
 
 @pytest.mark.parametrize("oracle", [False, True])
-def test_lookup_first_tree_limits_and_eos_like_hf(oracle):
+def test_lookup_first_tree_limits_and_eos_like_hf(oracle, monkeypatch):
     base = tiny_model("mistral")
     model = _wrap(_oracle(base, 2) if oracle else base)
-    ids, am = _ragged(3, 7)
+    ids, am = _ragged(6, 7)
+    rounds = _spy_lookup_rounds(monkeypatch)
     for max_new in (3, 4, 7):
         ref = _hf_greedy(model.base, ids, am, max_new)
         out = model.generate(ids, am, max_new_tokens=max_new, strategy="self-spec-lookup", tree=[2, 2, 1])
         assert torch.equal(out.sequences, ref) and all(len(t) == max_new for t in out.new_tokens)
+    # some row was served to its limit by a chain and left before the tree round of a mixed batch
+    assert any(0 < served < B and after < B for B, served, after in rounds), rounds
     free = _hf_greedy(model.base, ids, am, 20)
     eos = int(free[0, 7 + 5])
     ref = _hf_greedy(model.base, ids, am, 20, eos_token_id=eos)

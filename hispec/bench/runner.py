@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .. import latency
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
-from ..decoding import _auto_plan, build_levels, parse_hierarchy
+from ..decoding import _auto_chain, _auto_plan, build_levels, parse_hierarchy
 from ..ngram import NgramConfig
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
 from ..tree import TreeSpec, parse_tree
@@ -454,11 +454,16 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
             if isinstance(tree, TreeSpec) and cal.topk:
                 per_token = (latency.lookup_tree_time_per_token if tree_strategy(s) == "self-spec-lookup"
                              else latency.tree_time_per_token)
-                out[s] = plain / per_token(list(tree.widths), cal)
+                try:
+                    out[s] = plain / per_token(list(tree.widths), cal)
+                except latency.CalibrationError:  # e.g. a lookup tree, but no n-gram rate in the calibration
+                    pass
             continue
-        name = split_verification(s)[0]  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
+        name, rule = split_verification(s)  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
         auto_tree = None
-        if name == "auto":
+        if name == "auto" and not config.greedy and (rule or config.verification or hc.verification) != "token":
+            levels = _auto_chain(model, cal, **kw)  # as `generate`: sampling under hsd keeps chains
+        elif name == "auto":
             levels, auto_tree = _auto_plan(model, cal, max_new_tokens=config.max_new_tokens, **kw)
         else:
             levels = build_levels(model, parse_hierarchy(name, model), **kw)
