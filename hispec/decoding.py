@@ -895,12 +895,9 @@ class _AutoPolicy:
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
             topk = {key: self.latency.scaled_topk(rates, float(alphas[b, 0]))}
-            if self.lookup:
-                t = self.latency.lookup_tree_time_per_token(
-                    widths, self.cal, exit_level, topk, acceptance={self.pairs[0][1]: float(lookup[b])},
-                    match=float(match[b]))
-            else:
-                t = self.latency.tree_time_per_token(widths, self.cal, exit_level, topk)
+            t = self.latency.tree_time_per_token(widths, self.cal, exit_level, topk, lookup=self.lookup,
+                                                 acceptance={self.pairs[0][1]: float(lookup[b])} if self.lookup
+                                                 else None, match=float(match[b]))
             on = t < plain * (1 - margin)
             gam[b] = 1 if on else 0
             self.lowest[b] = 0 if on else 1
@@ -1024,17 +1021,24 @@ def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
     return build_levels(model, names, list(choice.gammas) or None, gamma=gamma, window=window, ngram=ngram)
 
 
-def _auto_plan(model, cal, *, gamma, window, ngram, max_new_tokens: int | None = None):
-    """`auto`'s plan: (levels, tree). The latency-optimal speculative chain hierarchy (`_auto_chain`, tree None),
-    unless the calibration predicts a static tree faster: drafted by one exit under the full model, lookup-first
-    where the n-gram was measured (`latency.best_tree`, `hispec.tree`), with some width > 1 (a tree of widths 1 is
-    a chain, which the chain policy handles with per-row gammas). Needs the calibration's top-k rates (made since
-    tree drafts were modelled); trees never deeper than `max_new_tokens`."""
+def _auto_trees(do_sample: bool, verification: str) -> bool:
+    """Whether `auto` may draft trees: not when sampling verifies sequence-level (`verification="hsd"`), a rule
+    for chains (a tree's children are verified token-wise, `hispec.sampling.recursive_accept`)."""
+    return not do_sample or verification == "token"
+
+
+def _auto_plan(model, cal, *, gamma, window, ngram, max_new_tokens: int | None = None, trees: bool = True):
+    """`auto`'s plan: (levels, tree, predicted seconds per token). The latency-optimal speculative chain hierarchy
+    (`_auto_chain`, tree None), unless `trees` and the calibration predicts a static tree faster: drafted by one
+    exit under the full model, lookup-first where the n-gram was measured (`latency.best_tree`, `hispec.tree`),
+    with some width > 1 (a tree of widths 1 is a chain, which the chain policy handles with per-row gammas). Needs
+    the calibration's top-k rates (made since tree drafts were modelled); trees never deeper than
+    `max_new_tokens`. `generate` and the bench's prediction both plan through here."""
     levels = _auto_chain(model, cal, gamma=gamma, window=window, ngram=ngram)
-    max_depth = 5 if max_new_tokens is None else min(5, max_new_tokens)
-    if not cal.topk or max_depth < 1:
-        return levels, None
     t_best = latency.time_per_token([lv.name for lv in levels], [lv.threshold for lv in levels[:-1]], cal)
+    max_depth = 5 if max_new_tokens is None else min(5, max_new_tokens)
+    if not trees or not cal.topk or max_depth < 1:
+        return levels, None, t_best
     best = None
     lookups = (False, True) if cal.acceptance.get(latency.pair_key("ngram", "full")) is not None else (False,)
     for name in model.exit_names:
@@ -1046,9 +1050,9 @@ def _auto_plan(model, cal, *, gamma, window, ngram, max_new_tokens: int | None =
             if widths and max(widths) > 1 and t < t_best:
                 t_best, best = t, ([LOOKUP + name if lookup else name, "full"], widths)
     if best is None:
-        return levels, None
+        return levels, None, t_best
     names, widths = best
-    return build_levels(model, names, None, gamma=gamma, window=window, ngram=ngram), TreeSpec(tuple(widths))
+    return build_levels(model, names, None, gamma=gamma, window=window, ngram=ngram), TreeSpec(tuple(widths)), t_best
 
 
 @torch.no_grad()
@@ -1131,11 +1135,8 @@ def generate(
     policy_cal = auto_tree = None
     if strategy == "auto":
         policy_cal = _calibration(model)
-        if do_sample and verification != "token":  # a tree's children are verified token-wise, never by hsd
-            levels = _auto_chain(model, policy_cal, gamma=gamma, window=window, ngram=ngram)
-        else:
-            levels, auto_tree = _auto_plan(model, policy_cal, gamma=gamma, window=window, ngram=ngram,
-                                           max_new_tokens=max_new_tokens)
+        levels, auto_tree, _ = _auto_plan(model, policy_cal, gamma=gamma, window=window, ngram=ngram,
+                                          max_new_tokens=max_new_tokens, trees=_auto_trees(do_sample, verification))
     else:
         levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
                               ngram=ngram)

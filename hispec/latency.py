@@ -85,8 +85,8 @@ with r_b(k) the share of answer positions where the model's argmax is among leve
 like the top-1 agreement; r_b(1) = a(b>full)). A tree of widths [1]*g is the chain of gamma g: R and E reduce to
 the chain's terms exactly. The i.i.d. assumption carries over (a node's children are judged by the same rate
 whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass, and dynamic
-trees are not modelled. The lookup-first exit with trees (`lookup_tree_time_per_token`) mixes the two round kinds
-as the lookup-first formula does, the exit's chain round replaced by R(tree) and E(tree).
+trees are not modelled. The lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
+round kinds as the lookup-first formula does, the exit's chain round replaced by R(tree) and E(tree).
 """
 
 from __future__ import annotations
@@ -615,37 +615,35 @@ def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
     return cal._cached(("tree_round", tuple(int(k) for k in widths), level), compute)
 
 
-def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None) -> float:
+def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None, *,
+                        lookup: bool = False, acceptance: dict | None = None, match: float | None = None) -> float:
     """Predicted seconds per token of static tree drafts with `widths` (e.g. [4, 2, 1]) by exit `level` (default:
-    the draft exit) under the full model; `topk` overrides the calibration's top-k rates ({"L4>full": [...]})."""
+    the draft exit) under the full model, R(tree) / E(tree); `topk` overrides the calibration's top-k rates
+    ({"L4>full": [...]}).
+
+    `lookup`: the lookup-first exit with trees (`ngram|EXIT` drafting `widths` where the lookup finds nothing;
+    `hispec.tree._lookup_first`): the lookup-first formula of the module docstring with the exit's chain round
+    replaced by a tree round,
+
+        T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),
+
+    m the match rate (`match`, else the calibration's), a_ng the n-gram's rate ("ngram>full": `acceptance`'s, else
+    the calibration's). The one pricing of trees: `best_tree`, `auto`'s per-row choice and the bench use it."""
     widths = list(widths)
     if not widths or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in widths):
         raise ValueError(f"tree widths must be a non-empty list of integers >= 1, got {widths}")
     level = level or level_name(cal.model["exits"]["draft"])
     if level in (NGRAM, FULL):
         raise ValueError(f"tree drafts come from an exit level, got {level!r}")
-    return tree_round_seconds(widths, cal, level) / tree_expected_tokens(widths, _topk_rates(cal, level, topk))
-
-
-def lookup_tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None,
-                               acceptance: dict | None = None, match: float | None = None) -> float:
-    """Predicted seconds per token of the lookup-first exit with trees (`ngram|EXIT` drafting `widths` where the
-    lookup finds nothing; `hispec.tree._lookup_first`): the lookup-first formula of the module docstring with the
-    exit's chain round replaced by a tree round,
-
-        T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),
-
-    m the match rate (`match`, else the calibration's), a_ng the n-gram's rate ("ngram>full")."""
-    level = level or level_name(cal.model["exits"]["draft"])
-    exit_t = tree_time_per_token(widths, cal, level, topk)  # also validates widths and level
-    rates = _topk_rates(cal, level, topk)
+    e_tree = tree_expected_tokens(widths, _topk_rates(cal, level, topk))
+    round_s = tree_round_seconds(widths, cal, level)
+    if not lookup:
+        return round_s / e_tree
     m = min(max(cal.ngram_match if match is None else float(match), 0.0), 1.0)
     n, o = cal.ngram_max_len, cal.step_overhead
     a_n = _alpha(cal, acceptance, pair_key(NGRAM, FULL))
-    e_tree = tree_expected_tokens(widths, rates)
     served = o + _pass_cost(cal, None, FULL, n + 1)
-    return ((cal.ngram_cost + m * served + (1 - m) * exit_t * e_tree)
-            / (m * expected_tokens(a_n, n) + (1 - m) * e_tree))
+    return (cal.ngram_cost + m * served + (1 - m) * round_s) / (m * expected_tokens(a_n, n) + (1 - m) * e_tree)
 
 
 def tree_shapes(max_depth: int, max_nodes: int, max_width: int) -> list[list[int]]:
@@ -682,18 +680,17 @@ def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, ma
               topk: dict | None = None, *, lookup: bool = False) -> tuple[list[int], float]:
     """The static tree (widths non-increasing with depth, each <= MAX_TREE_WIDTH, at most `max_nodes` nodes) with
     the lowest predicted seconds per token, and that time; `lookup`: drafted by the lookup-first exit
-    (`lookup_tree_time_per_token`). Exhaustive over the (few hundred) shapes; memoised."""
+    (`tree_time_per_token`). Exhaustive over the (few hundred) shapes; memoised."""
     level = level or level_name(cal.model["exits"]["draft"])
     rates = _topk_rates(cal, level, topk)
     key = ("best_tree", level, tuple(round(r, 3) for r in rates), max_depth, max_nodes, lookup)
     memo = cal._memo.setdefault("best_tree", {})
     if key in memo:
         return list(memo[key][0]), memo[key][1]
-    per_token = lookup_tree_time_per_token if lookup else tree_time_per_token
     topk = {pair_key(level, FULL): rates}
     best = (None, math.inf)
     for widths in tree_shapes(max_depth, max_nodes, min(MAX_TREE_WIDTH, len(rates))):
-        t = per_token(widths, cal, level, topk)
+        t = tree_time_per_token(widths, cal, level, topk, lookup=lookup)
         if t < best[1]:
             best = (widths, t)
     memo[key] = (tuple(best[0]), best[1])

@@ -48,7 +48,7 @@ def test_auto_is_greedy_identical_for_every_family(family):
         assert out.stats.strategy.startswith("auto:") and out.stats.row_rounds > 0
     for lookup in (False, True):  # priors under which auto drafts trees (the exit's own, or lookup-first)
         cal = _tree_priors(model, lookup)
-        levels, tree = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
+        levels, tree, _ = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
         assert tree is not None and max(tree.widths) > 1
         out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
         assert torch.equal(out.sequences, ref), lookup
@@ -264,6 +264,26 @@ def test_auto_plans_no_tree_without_topk_rates_or_room():
     assert decoding._auto_plan(model, cal, max_new_tokens=0, **kw)[1] is None
     flat = dataclasses.replace(cal, topk={k: [v[0]] * 8 for k, v in cal.topk.items()})  # width buys nothing
     assert decoding._auto_plan(model, flat, **kw)[1] is None
+    # the predicted time is the plan's own (the bench reports it), and a chain plan is never predicted faster
+    levels, tree, t = decoding._auto_plan(model, cal, **kw)
+    assert levels[0].lookup and t == pytest.approx(latency.tree_time_per_token(list(tree.widths), cal, "L2",
+                                                                               lookup=True))
+    chain, no_tree, t_chain = decoding._auto_plan(model, cal, trees=False, **kw)
+    assert no_tree is None and t < t_chain == pytest.approx(
+        latency.time_per_token([lv.name for lv in chain], [lv.threshold for lv in chain[:-1]], cal))
+
+
+def test_auto_keeps_chains_when_sampling_verifies_sequence_level():
+    """`verification="hsd"` verifies chains only: under priors that make `auto` draft trees, sampling with it
+    plans the chain (greedy decoding and token-wise sampling keep the tree)."""
+    model = _wrap(tiny_model("llama"), head_type="linear")
+    _tree_priors(model, lookup=True)
+    assert decoding._auto_trees(False, "hsd") and decoding._auto_trees(True, "token")
+    assert not decoding._auto_trees(True, "hsd")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])
+    for kw, tree in ((dict(do_sample=True, verification="hsd"), False), (dict(do_sample=True), True), ({}, True)):
+        out = model.generate(ids, max_new_tokens=6, strategy="auto", **kw)
+        assert ("[tree " in out.stats.strategy) == tree, (kw, out.stats.strategy)
 
 
 # ---------------------------------------------------------------------------------------------- defaults, bad input

@@ -420,15 +420,16 @@ def test_lookup_first_tree_matches_a_hand_computation_the_chain_and_its_limits()
     E_tree, E_n = 1 + 0.6 + 0.36, (1 - 0.7 ** 5) / 0.3
     served = 0.1 + 10 * 1.8 + 2.4  # the lookup's 4 tokens: every layer over 5 rows, then the final norm + lm_head
     want = (0.05 + 0.4 * served + 0.6 * R) / (0.4 * E_n + 0.6 * E_tree)  # one lookup per round
-    assert lt.lookup_tree_time_per_token([2, 2], cal) == pytest.approx(want)
+    assert lt.tree_time_per_token([2, 2], cal, lookup=True) == pytest.approx(want)
     # a one-node tree is the lookup-first chain of gamma 1
-    assert lt.lookup_tree_time_per_token([1], cal) == pytest.approx(lt.time_per_token(["ngram|L2", "full"], [1], cal))
+    assert lt.tree_time_per_token([1], cal, lookup=True) == pytest.approx(
+        lt.time_per_token(["ngram|L2", "full"], [1], cal))
     # never matching: the tree plus the wasted lookup; always matching: the n-gram level
-    assert lt.lookup_tree_time_per_token([2, 2], cal, match=0.0) == pytest.approx(
+    assert lt.tree_time_per_token([2, 2], cal, match=0.0, lookup=True) == pytest.approx(
         lt.tree_time_per_token([2, 2], cal) + 0.05 / E_tree)
-    assert lt.lookup_tree_time_per_token([2, 2], cal, match=1.0) == pytest.approx(
+    assert lt.tree_time_per_token([2, 2], cal, match=1.0, lookup=True) == pytest.approx(
         lt.time_per_token(["ngram", "full"], [4], cal, ngram_match=1.0))
-    assert lt.lookup_tree_time_per_token([2, 2], cal, acceptance={"ngram>full": 0.9}) < want
+    assert lt.tree_time_per_token([2, 2], cal, acceptance={"ngram>full": 0.9}, lookup=True) < want
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -452,8 +453,8 @@ def test_best_tree_is_the_fastest_shape_within_its_budget():
     assert t <= min(lt.tree_time_per_token(w, cal) for w in shapes) + 1e-12  # brute force, same space
     assert lt.best_tree(cal, max_nodes=24) == (widths, t)  # memoised
     lw, lt_ = lt.best_tree(cal, max_nodes=24, lookup=True)  # the lookup-first exit drafting it: its own optimum
-    assert lt_ == pytest.approx(min(lt.lookup_tree_time_per_token(w, cal) for w in shapes))
-    assert lt_ == pytest.approx(lt.lookup_tree_time_per_token(lw, cal))
+    assert lt_ == pytest.approx(min(lt.tree_time_per_token(w, cal, lookup=True) for w in shapes))
+    assert lt_ == pytest.approx(lt.tree_time_per_token(lw, cal, lookup=True))
 
 
 def test_scaled_topk_moves_the_rates_to_a_rows_top1():

@@ -15,6 +15,8 @@ from hispec.cache import KVCache
 from hispec.ngram import NgramConfig
 
 SHAPES = ([1], [3], [1, 1, 1], [3, 2, 1], [4, 2, 2, 1], "2x2x2x2")
+DYNAMIC = ("dyn-3-2-2-5", "dyn-4-3-2-8", "dyn-1-3-1-2", "dyn-5-4-4-16")
+LOOKUP_SHAPES = ([3], [2, 2, 1], "dyn-3-2-2-5")
 
 
 def _perturbed(family="qwen2", head_type="linear", scale=0.05, seed=0):
@@ -26,15 +28,30 @@ def _perturbed(family="qwen2", head_type="linear", scale=0.05, seed=0):
     return model
 
 
+def _lookup_tree(model, ids, am, n, shape, **kw):
+    """`self-spec-lookup` with a tree, the lookup matching 2-grams (a tiny random model repeats single tokens so
+    often that 1-grams would serve every round); also checks that both drafters served rounds."""
+    out = model.generate(ids, am, max_new_tokens=n, strategy="self-spec-lookup", tree=shape,
+                         ngram=NgramConfig(min_ngram=2), **kw)
+    lv0 = out.stats.levels[0]
+    assert lv0.name.startswith("ngram|") and 0 < lv0.lookups < lv0.proposals + lv0.passes, shape
+    return out
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_tree_equals_hf_generate_for_every_family_and_shape(family):
+def test_greedy_trees_equal_hf_generate_for_every_family(family):
+    """Static shapes, dynamic trees and trees under the lookup-first exit: transformers' own greedy output."""
     model = _wrap(tiny_model(family))
     ids, am = _ragged(4, 9)
     ref = _hf_greedy(model.base, ids, am, 17)
-    for shape in SHAPES:
-        out = model.generate(ids, am, max_new_tokens=17, strategy="self-spec", tree=shape)
-        assert torch.equal(out.sequences, ref), shape
-        assert out.stats.new_tokens == 4 * 17
+    for strategy, shapes in (("self-spec", SHAPES + DYNAMIC), ("self-spec-lookup", LOOKUP_SHAPES)):
+        for shape in shapes:
+            if strategy == "self-spec":
+                out = model.generate(ids, am, max_new_tokens=17, strategy=strategy, tree=shape)
+            else:
+                out = _lookup_tree(model, ids, am, 17, shape)
+            assert torch.equal(out.sequences, ref), (strategy, shape)
+            assert out.stats.new_tokens == 4 * 17
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 6])
@@ -165,30 +182,6 @@ def test_greedy_tree_with_context_heads_equals_hf_generate(family):
 
 
 # ---------------------------------------------------------------------------------------------- lookup first
-LOOKUP_SHAPES = ([3], [2, 2, 1], "dyn-3-2-2-5")
-
-
-def _lookup_tree(model, ids, am, n, shape, **kw):
-    """`self-spec-lookup` with a tree, the lookup matching 2-grams (a tiny random model repeats single tokens so
-    often that 1-grams would serve every round); also checks that both drafters served rounds."""
-    out = model.generate(ids, am, max_new_tokens=n, strategy="self-spec-lookup", tree=shape,
-                         ngram=NgramConfig(min_ngram=2), **kw)
-    lv0 = out.stats.levels[0]
-    assert lv0.name.startswith("ngram|") and 0 < lv0.lookups < lv0.proposals + lv0.passes, shape
-    return out
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_lookup_first_tree_equals_hf_generate_for_every_family(family):
-    model = _wrap(tiny_model(family))
-    ids, am = _ragged(4, 9)
-    ref = _hf_greedy(model.base, ids, am, 17)
-    for shape in LOOKUP_SHAPES:
-        out = _lookup_tree(model, ids, am, 17, shape)
-        assert torch.equal(out.sequences, ref), shape
-        assert out.stats.new_tokens == 4 * 17
-
-
 def _spy_lookup_rounds(monkeypatch):
     """Record each `tree._lookup_first` call as (rows before, rows the lookup served, rows after)."""
     rounds, orig = [], tree_mod._lookup_first
@@ -533,19 +526,6 @@ def test_stop_strings_end_a_tree_row_after_the_completing_token():
 
 
 # ---------------------------------------------------------------------------------------------- dynamic trees
-DYNAMIC = ("dyn-3-2-2-5", "dyn-4-3-2-8", "dyn-1-3-1-2", "dyn-5-4-4-16")
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_dynamic_tree_equals_hf_generate_for_every_family(family):
-    model = _wrap(tiny_model(family))
-    ids, am = _ragged(4, 9)
-    ref = _hf_greedy(model.base, ids, am, 17)
-    for spec in DYNAMIC:
-        out = model.generate(ids, am, max_new_tokens=17, strategy="self-spec", tree=spec)
-        assert torch.equal(out.sequences, ref), spec
-
-
 @pytest.mark.parametrize("batch_size", [1, 5])
 def test_each_row_of_a_dynamic_tree_batch_equals_its_single_run(batch_size):
     model = _perturbed(seed=batch_size)

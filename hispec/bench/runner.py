@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .. import latency
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
-from ..decoding import _auto_chain, _auto_plan, build_levels, parse_hierarchy
+from ..decoding import _auto_plan, _auto_trees, build_levels, parse_hierarchy
 from ..ngram import NgramConfig
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
 from ..tree import TreeSpec, parse_tree
@@ -452,34 +452,25 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         tree = tree_of(s)
         if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)
             if isinstance(tree, TreeSpec) and cal.topk:
-                per_token = (latency.lookup_tree_time_per_token if tree_strategy(s) == "self-spec-lookup"
-                             else latency.tree_time_per_token)
                 try:
-                    out[s] = plain / per_token(list(tree.widths), cal)
+                    out[s] = plain / latency.tree_time_per_token(list(tree.widths), cal,
+                                                                 lookup=tree_strategy(s) == "self-spec-lookup")
                 except latency.CalibrationError:  # e.g. a lookup tree, but no n-gram rate in the calibration
                     pass
             continue
         name, rule = split_verification(s)  # (the model's i.i.d. acceptance is token-wise; for hsd it is a fit)
-        auto_tree = None
-        if name == "auto" and not config.greedy and (rule or config.verification or hc.verification) != "token":
-            levels = _auto_chain(model, cal, **kw)  # as `generate`: sampling under hsd keeps chains
-        elif name == "auto":
-            levels, auto_tree = _auto_plan(model, cal, max_new_tokens=config.max_new_tokens, **kw)
-        else:
-            levels = build_levels(model, parse_hierarchy(name, model), **kw)
-        names = [lv.name for lv in levels]
-        if auto_tree is not None:
-            per_token = latency.lookup_tree_time_per_token if levels[0].lookup else latency.tree_time_per_token
-            t = per_token(list(auto_tree.widths), cal, names[0].removeprefix(latency.LOOKUP))
-        else:
-            t = latency.time_per_token(names, [lv.threshold for lv in levels[:-1]], cal)
-        if name == "auto":  # rows may also decode plainly: the better of the two
-            t = min(t, plain)
-        elif not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)
+        if name == "auto":  # planned as `generate` plans it; rows may also decode plainly: the better of the two
+            _, _, t = _auto_plan(model, cal, max_new_tokens=config.max_new_tokens, **kw,
+                                 trees=_auto_trees(not config.greedy, rule or config.verification or hc.verification))
+            out[s] = plain / min(t, plain)
+            continue
+        levels = build_levels(model, parse_hierarchy(name, model), **kw)
+        names, gammas = [lv.name for lv in levels], [lv.threshold for lv in levels[:-1]]
+        if not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)
             fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(
                 names, gs, cal, acceptance={k: v for k, v in obs.items() if k != "ngram_match" and v is not None},
-                ngram_match=obs.get("ngram_match")))(names, [lv.threshold for lv in levels[:-1]])
-        out[s] = plain / t
+                ngram_match=obs.get("ngram_match")))(names, gammas)
+        out[s] = plain / latency.time_per_token(names, gammas, cal)
     return out, fns
 
 
