@@ -895,9 +895,9 @@ class _AutoPolicy:
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
             topk = {key: self.latency.scaled_topk(rates, float(alphas[b, 0]))}
+            ng = {self.pairs[0][1]: float(lookup[b])} if self.lookup else None  # the row's n-gram rate
             t = self.latency.tree_time_per_token(widths, self.cal, exit_level, topk, lookup=self.lookup,
-                                                 acceptance={self.pairs[0][1]: float(lookup[b])} if self.lookup
-                                                 else None, match=float(match[b]))
+                                                 acceptance=ng, match=float(match[b]))
             on = t < plain * (1 - margin)
             gam[b] = 1 if on else 0
             self.lowest[b] = 0 if on else 1
@@ -1021,7 +1021,7 @@ def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
     return build_levels(model, names, list(choice.gammas) or None, gamma=gamma, window=window, ngram=ngram)
 
 
-def _auto_trees(do_sample: bool, verification: str) -> bool:
+def _auto_trees(do_sample: bool, verification: str | None) -> bool:
     """Whether `auto` may draft trees: not when sampling verifies sequence-level (`verification="hsd"`), a rule
     for chains (a tree's children are verified token-wise, `hispec.sampling.recursive_accept`)."""
     return not do_sample or verification == "token"

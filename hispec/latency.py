@@ -628,7 +628,7 @@ def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk
         T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),
 
     m the match rate (`match`, else the calibration's), a_ng the n-gram's rate ("ngram>full": `acceptance`'s, else
-    the calibration's). The one pricing of trees: `best_tree`, `auto`'s per-row choice and the bench use it."""
+    the calibration's); without `lookup`, `acceptance` and `match` are unused. The one pricing of trees: `best_tree`, `auto`'s per-row choice and the bench use it."""
     widths = list(widths)
     if not widths or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in widths):
         raise ValueError(f"tree widths must be a non-empty list of integers >= 1, got {widths}")
@@ -680,7 +680,7 @@ def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, ma
               topk: dict | None = None, *, lookup: bool = False) -> tuple[list[int], float]:
     """The static tree (widths non-increasing with depth, each <= MAX_TREE_WIDTH, at most `max_nodes` nodes) with
     the lowest predicted seconds per token, and that time; `lookup`: drafted by the lookup-first exit
-    (`tree_time_per_token`). Exhaustive over the (few hundred) shapes; memoised."""
+    (`tree_time_per_token(..., lookup=True)`). Exhaustive over the (few hundred) shapes; memoised."""
     level = level or level_name(cal.model["exits"]["draft"])
     rates = _topk_rates(cal, level, topk)
     key = ("best_tree", level, tuple(round(r, 3) for r in rates), max_depth, max_nodes, lookup)
