@@ -628,7 +628,8 @@ def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk
         T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),
 
     m the match rate (`match`, else the calibration's), a_ng the n-gram's rate ("ngram>full": `acceptance`'s, else
-    the calibration's); without `lookup`, `acceptance` and `match` are unused. The one pricing of trees: `best_tree`, `auto`'s per-row choice and the bench use it."""
+    the calibration's); without `lookup`, `acceptance` and `match` are unused. The one pricing of trees:
+    `best_tree`, `auto`'s per-row choice and the bench use it."""
     widths = list(widths)
     if not widths or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in widths):
         raise ValueError(f"tree widths must be a non-empty list of integers >= 1, got {widths}")
