@@ -53,9 +53,10 @@ import torch
 
 from . import latency
 from .heads import ContextInputs
-from .latency import LOOKUP, Calibration, CalibrationError, best_hierarchy, level_pairs
+from .latency import LOOKUP, Calibration, CalibrationError, level_pairs
 from .ngram import NgramConfig, propose_batch
-from .sampling import check_verification, greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
+from .sampling import (check_verification, greedy_accept, hsd_accept, logits_to_probs, rank_among, sample,
+                       speculative_accept)
 from .tree import TreeSpec, check_tree, parse_tree, tree_round
 
 NAMED = {
@@ -779,8 +780,15 @@ class _AutoPolicy:
         # per row, the lowest level it used in the last round; rows start as plain, so the first round needs MARGIN
         self.lowest = torch.full((B,), K, dtype=torch.long)
         self._shadow_tick = 0
+        # trees, greedy: per row a decayed count of rounds whose model token is among the exit's top-k at the root,
+        # for each distinct width k of the tree (`khit`, out of `kseen` rounds; prior: the calibration's r(k))
+        self.kwidths = sorted(set(tree.widths)) if tree is not None else []
+        r = cal.topk.get(self.latency.pair_key(self.names[0].removeprefix(LOOKUP), "full")) if self.kwidths else []
+        self.khit = torch.tensor([[self.PRIOR * float(r[min(k, len(r)) - 1]) for k in self.kwidths]] * B,
+                                 dtype=torch.float64).reshape(B, len(self.kwidths))
+        self.kseen = torch.full((B,), self.PRIOR, dtype=torch.float64)
 
-    ROW_STATE = ("acc", "rej", "lacc", "lrej", "hit", "miss", "lowest")
+    ROW_STATE = ("acc", "rej", "lacc", "lrej", "hit", "miss", "lowest", "khit", "kseen")
 
     # ---------------------------------------------------------------- estimates
     def _update(self, i: int | None, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):
@@ -857,21 +865,35 @@ class _AutoPolicy:
             x = torch.minimum(q, probs[dev_rows, 0]).sum(-1)
         else:
             x = (logits.argmax(-1) == new[dev_rows]).double()
+            if self.kwidths and i == 0:  # a tree's exit: the top-k counts too
+                self._topk(shadow, rank_among(logits.topk(max(self.kwidths), dim=-1).indices, new[dev_rows]))
         x = x.detach().cpu().double()
         self._update(i, shadow, x, 1 - x)
 
-    def observe_tree(self, run: _Run, drafted, top1, part, new, probs):
+    def _topk(self, rows: torch.Tensor, rank: torch.Tensor):
+        """One observation, for each of `rows`, of whether the model's token is among the exit's top-k, for every
+        width k of the tree (`rank` [len(rows)]: its rank among the exit's top choices, >= k when not in them)."""
+        if rows.numel():
+            hits = (rank.detach().cpu()[:, None] < torch.tensor(self.kwidths)).double()
+            self.khit[rows] = self.DECAY * self.khit[rows] + hits
+            self.kseen[rows] = self.DECAY * self.kseen[rows] + 1
+
+    def observe_tree(self, run: _Run, drafted, top1, part, new, probs, rank=None):
         """Called by a tree round (`hispec.tree`) after its verification, before the state moves on. `top1` is,
         for every row of `part` (still decoding), one observation of its exit's top-1 rate at the root (greedy:
         whether the full model's token is the exit's top-1; sampling: the exact acceptance probability
         sum(min(p, q)) of one draft from the exit's q): the pass computes the exit's root logits for every row,
-        so rows decoding plainly (not `drafted`) are measured exactly and for free, `layer` heads too. Their
-        switched-off lookup is shadowed as in `observe` (`new`, probabilities `probs[:, 0]`)."""
+        so rows decoding plainly (not `drafted`) are measured exactly and for free, `layer` heads too. Greedy,
+        `rank` [B] is the model token's rank among the root's children (the exit's top-k_1; k_1 when not among
+        them): one observation of the row's top-k rate for each width of the tree. Switched-off rows' lookup is
+        shadowed as in `observe` (`new`, probabilities `probs[:, 0]`)."""
         cpu = lambda t: t.detach().cpu()  # noqa: E731
         drafted, part = cpu(drafted), cpu(part)
         rows = part.nonzero().flatten()
         x = cpu(top1).double()[rows]
         self._update(0, rows, x, 1 - x)
+        if rank is not None and self.kwidths:
+            self._topk(rows, cpu(rank)[rows])
         shadow = (part & ~drafted).nonzero().flatten()
         if shadow.numel() and self.lookup:
             self._shadow_lookup(run, None, shadow, new, probs)
@@ -885,16 +907,22 @@ class _AutoPolicy:
     # ---------------------------------------------------------------- choice
     def _choose_tree(self, run: _Run, alphas, lookup, match):
         """Per row: the tree, or plain decoding (gam 0), whichever the latency model predicts faster under the row's
-        own estimates (the exit's top-1 rate, scaling the calibration's top-k rates: `latency.scaled_topk`; for a
-        lookup-first exit also the n-gram's rate and match rate), with the same hysteresis as chains."""
+        own estimates (greedy: its top-k rates at the tree's widths, counted by `observe_tree`; sampling, where only
+        the top-1 acceptance is observed exactly: the calibration's top-k rates scaled to the row's, by
+        `latency.scaled_topk`; for a lookup-first exit also the n-gram's rate and match rate), with the same
+        hysteresis as chains."""
         exit_level = self.names[0].removeprefix(LOOKUP)
         key = self.latency.pair_key(exit_level, "full")
         rates, widths = self.cal.topk[key], list(self.tree.widths)
         plain = self.cal.plain_seconds_per_token()
+        own = None if run.do_sample else (self.khit / self.kseen[:, None].clamp(min=1e-9)).tolist()
         gam = [0] * alphas.shape[0]
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
-            topk = {key: self.latency.scaled_topk(rates, float(alphas[b, 0]))}
+            row = self.latency.scaled_topk(rates, float(alphas[b, 0]))
+            for k, r in zip(self.kwidths, own[b] if own is not None else ()):
+                row[k - 1] = r
+            topk = {key: row}
             ng = {self.pairs[0][1]: float(lookup[b])} if self.lookup else None  # the row's n-gram rate
             t = self.latency.tree_time_per_token(widths, self.cal, exit_level, topk, lookup=self.lookup,
                                                  acceptance=ng, match=float(match[b]))
@@ -1009,16 +1037,18 @@ def _calibration(model):
     return cal
 
 
-def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
-    """The latency-optimal speculative hierarchy for the calibration (rows may still decode plainly)."""
+def _plan_levels(model, names, gammas, *, gamma, window, ngram) -> list[Level]:
+    """Level objects for a plan in calibration level names ("L4", "ngram|L4", ...)."""
     by_name = {f"L{model.hispec_config.layer_of(n)}": n for n in model.exit_names}
     by_name.update({LOOKUP + k: LOOKUP + v for k, v in by_name.items()})
-    exits = [n for n in by_name if not n.startswith(LOOKUP)]
-    lookups = ["ngram"] + [LOOKUP + n for n in exits] if cal.acceptance.get("ngram>full") is not None else []
-    candidates = lookups + exits
-    choice = best_hierarchy(cal, candidates=candidates, speculative_only=True)
-    names = [by_name.get(n, n) for n in choice.levels]
-    return build_levels(model, names, list(choice.gammas) or None, gamma=gamma, window=window, ngram=ngram)
+    return build_levels(model, [by_name.get(n, n) for n in names], list(gammas) or None, gamma=gamma, window=window,
+                        ngram=ngram)
+
+
+def _auto_chain(model, cal, *, gamma, window, ngram) -> list[Level]:
+    """The latency-optimal speculative chain hierarchy for the calibration (rows may still decode plainly)."""
+    plan = latency.auto_plan(cal, trees=False)
+    return _plan_levels(model, plan.levels, plan.gammas, gamma=gamma, window=window, ngram=ngram)
 
 
 def _auto_trees(do_sample: bool, verification: str | None) -> bool:
@@ -1028,31 +1058,30 @@ def _auto_trees(do_sample: bool, verification: str | None) -> bool:
 
 
 def _auto_plan(model, cal, *, gamma, window, ngram, max_new_tokens: int | None = None, trees: bool = True):
-    """`auto`'s plan: (levels, tree, predicted seconds per token). The latency-optimal speculative chain hierarchy
-    (`_auto_chain`, tree None), unless `trees` and the calibration predicts a static tree faster: drafted by one
-    exit under the full model, lookup-first where the n-gram was measured (`latency.best_tree`, `hispec.tree`),
-    with some width > 1 (a tree of widths 1 is a chain, which the chain policy handles with per-row gammas). Needs
-    the calibration's top-k rates (made since tree drafts were modelled); trees never deeper than
-    `max_new_tokens`. `generate` and the bench's prediction both plan through here."""
-    levels = _auto_chain(model, cal, gamma=gamma, window=window, ngram=ngram)
-    t_best = latency.time_per_token([lv.name for lv in levels], [lv.threshold for lv in levels[:-1]], cal)
-    max_depth = 5 if max_new_tokens is None else min(5, max_new_tokens)
-    if not trees or not cal.topk or max_depth < 1:
-        return levels, None, t_best
-    best = None
-    lookups = (False, True) if cal.acceptance.get(latency.pair_key("ngram", "full")) is not None else (False,)
-    for name in model.exit_names:
-        level = f"L{model.hispec_config.layer_of(name)}"
-        if not cal.topk.get(latency.pair_key(level, "full")):
-            continue
-        for lookup in lookups:
-            widths, t = latency.best_tree(cal, level, max_depth=max_depth, lookup=lookup)
-            if widths and max(widths) > 1 and t < t_best:
-                t_best, best = t, ([LOOKUP + name if lookup else name, "full"], widths)
-    if best is None:
-        return levels, None, t_best
-    names, widths = best
-    return build_levels(model, names, None, gamma=gamma, window=window, ngram=ngram), TreeSpec(tuple(widths)), t_best
+    """`auto`'s plan: (levels, tree, predicted seconds per token), `latency.auto_plan` (the latency-optimal
+    speculative chain, or a static tree with some width > 1 where predicted faster; `hispec.tree`) as the model's
+    levels; trees never deeper than `max_new_tokens`. `generate` and the bench's prediction both plan through
+    here."""
+    plan = latency.auto_plan(cal, trees=trees, max_depth=5 if max_new_tokens is None else min(5, max_new_tokens))
+    levels = _plan_levels(model, plan.levels, plan.gammas if plan.widths is None else (), gamma=gamma, window=window,
+                          ngram=ngram)
+    return levels, None if plan.widths is None else TreeSpec(plan.widths), plan.seconds_per_token
+
+
+def ngram_config(model, ngram=None) -> NgramConfig:
+    """The n-gram level's config: `ngram` (an `NgramConfig` or its fields) if given, else the checkpoint's
+    `decoding.ngram` if it sets one, else the one its calibration measured (and chose: `latency.calibrate`), else
+    the defaults. The calibration's acceptance figures hold for its own config, so `auto` plans with what it runs."""
+    if isinstance(ngram, NgramConfig):
+        return ngram
+    if ngram:
+        return NgramConfig(**ngram)
+    cfg = model.hispec_config
+    if getattr(cfg, "ngram", None):
+        return NgramConfig(**cfg.ngram)
+    cal = getattr(cfg, "calibration", None)
+    measured = cal.ngram if isinstance(cal, Calibration) else (cal or {}).get("ngram")
+    return NgramConfig(**measured) if measured else NgramConfig()
 
 
 @torch.no_grad()
@@ -1114,10 +1143,7 @@ def generate(
     for name, v in (("gamma", gamma), ("window", window)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if ngram is None:
-        ngram = NgramConfig(**(getattr(cfg, "ngram", None) or {}))
-    elif isinstance(ngram, dict):
-        ngram = NgramConfig(**ngram)
+    ngram = ngram_config(model, ngram)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if do_sample and not temperature > 0:

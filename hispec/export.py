@@ -348,7 +348,8 @@ with the hierarchy it predicts to be quickest on that machine, or plainly when n
 Calibrated by `hispec-export --calibrate` on **{calibration.describe_machine()}**: unit costs (decoder layer, heads,
 lm_head, the decoder's per-step overhead) timed there with {calibration.context} cached positions, and per-token
 acceptance rates counted on {calibration.positions} positions of the model's own greedy answers ({acc}; n-gram
-lookup matches {calibration.ngram_match:.2f}). The latency model (`hispec.latency`) predicts, greedy:
+lookup matches {calibration.ngram_match:.2f}{_ngram_choice(calibration)}). The latency model (`hispec.latency`)
+predicts, greedy:
 
 {chr(10).join(lines)}
 
@@ -356,6 +357,15 @@ lookup matches {calibration.ngram_match:.2f}). The latency model (`hispec.latenc
 or dtype hispec does not use this calibration (decoding defaults to plain there). Check with
 `hispec-bench --model {name} --prompts question.jsonl`.
 """
+
+
+def _ngram_choice(calibration) -> str:
+    """The model card's note on the n-gram config the calibration chose (`latency.calibrate`), if it chose one."""
+    if not calibration.ngram_options:
+        return ""
+    c = calibration.ngram
+    return (f" with suffixes of {c['min_ngram']}..{c['max_ngram']} tokens and up to {c['max_len']} tokens proposed, "
+            f"the one of {len(calibration.ngram_options)} configs measured that `auto` is predicted fastest with")
 
 
 def _default_hierarchies(model: EarlyExitModel) -> dict:

@@ -12,9 +12,10 @@ Contract:
   `best_gammas(levels, cal, acceptance)` the best gammas for a fixed level list given (e.g. per-row, observed)
   acceptance rates, allowing 0 = skip; memoised, cheap enough to call every few decoding rounds.
 - `calibrate(model, prompts)` measures a `Calibration` on this machine: unit costs (timed) and acceptance rates
-  (counted on the model's own greedy answers). It lives in the checkpoint as `config.json["hispec"]["calibration"]`
-  (`write_calibration` / `read_calibration`); `Calibration.check(model)` refuses one made for another model or on
-  another kind of machine (`CalibrationError`).
+  (counted on the model's own greedy answers), and keeps the n-gram config (of NGRAM_CANDIDATES) that `auto_plan`,
+  `auto`'s plan, is predicted fastest with; the decoder then runs that config. It lives in the checkpoint as
+  `config.json["hispec"]["calibration"]` (`write_calibration` / `read_calibration`); `Calibration.check(model)`
+  refuses one made for another model or on another kind of machine (`CalibrationError`).
 
 The model (greedy decoding, i.i.d. acceptance). Unit costs, measured per number T of new positions in one pass:
 `layer(T)` one decoder layer (the median time of a pass over all L layers with a KV cache of `context` slots,
@@ -113,6 +114,11 @@ NGRAM, FULL = "ngram", "full"
 LOOKUP = "ngram|"  # "ngram|L4": the lookup-first exit level (the n-gram lookup, the exit where it finds nothing)
 CALIBRATION_VERSION = 1
 DEFAULT_MAX_GAMMA = 8
+# the n-gram configs `calibrate` chooses from when none is given (the default first: it wins ties). Measured on
+# Qwen2.5-Coder-1.5B (16 Spec-Bench answers x 96 tokens, bf16, 2-core EPYC): min_ngram 1 matches 49% of rounds at
+# an acceptance of 0.39, min_ngram 2 15% at 0.61, and auto's predicted speedup goes 1.38x -> 1.45x (a one-token
+# match is mostly noise, and under a lookup-first exit it takes the round from the exit's better draft)
+NGRAM_CANDIDATES = tuple(NgramConfig(3, n, k) for k in (8, 4) for n in (1, 2, 3))
 
 
 class CalibrationError(ValueError):
@@ -251,6 +257,9 @@ class Calibration:
     positions: int = 0  # answer positions the acceptances were counted on
     ngram: dict | None = None  # the NgramConfig the n-gram figures were measured with
     topk: dict | None = None  # {"L4>full": [r(1), ..., r(K)]}: share of positions with the model's argmax in L4's top-k
+    # the n-gram configs `calibrate` measured and chose `ngram` from: [{"config": {...}, "match": m, "acceptance":
+    # {"ngram>L4": a, ..., "ngram>full": a}, "seconds_per_token": auto's predicted time}, ...] (None: one measured)
+    ngram_options: list | None = None
     version: int = CALIBRATION_VERSION
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -322,7 +331,7 @@ class Calibration:
             "version": self.version, "machine": dict(self.machine), "dtype": self.dtype, "threads": self.threads,
             "model": self.model, "costs": self.costs, "acceptance": dict(self.acceptance),
             "ngram_match": self.ngram_match, "measured": self.measured, "context": self.context,
-            "positions": self.positions, "ngram": self.ngram, "topk": self.topk,
+            "positions": self.positions, "ngram": self.ngram, "topk": self.topk, "ngram_options": self.ngram_options,
         })
 
     @classmethod
@@ -346,6 +355,10 @@ class Calibration:
                        context=int(d.get("context", 0)), positions=int(d.get("positions", 0)), ngram=d.get("ngram"),
                        topk=None if d.get("topk") is None else {k: [float(x) for x in v]
                                                                 for k, v in d["topk"].items()},
+                       ngram_options=None if d.get("ngram_options") is None else [
+                           {"config": dict(o["config"]), "match": float(o["match"]),
+                            "acceptance": {k: float(v) for k, v in o["acceptance"].items()},
+                            "seconds_per_token": float(o["seconds_per_token"])} for o in d["ngram_options"]],
                        version=version)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CalibrationError):
@@ -668,8 +681,9 @@ def tree_shapes(max_depth: int, max_nodes: int, max_width: int) -> list[list[int
 def scaled_topk(rates, top1: float) -> list[float]:
     """A level's calibrated top-k rates moved to an observed top-1 rate `top1` (a row's estimate under `auto`):
     r'(k) = r(k) * top1 / r(1), clipped to [0, 1]. A head that stops finding the model's argmax at its top-1 is
-    taken to lose its top-k hits in proportion (no top-k counts are kept per row). Without a calibrated r(1) > 0
-    the rates are returned unchanged."""
+    taken to lose its top-k hits in proportion. `auto` uses it for sampled trees, where only the top-1
+    acceptance is observed exactly; greedy rows count their own top-k hits instead. Without a calibrated
+    r(1) > 0 the rates are returned unchanged."""
     rates = [float(r) for r in rates]
     if not rates or rates[0] <= 0:
         return rates
@@ -695,6 +709,42 @@ def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, ma
         if t < best[1]:
             best = (widths, t)
     memo[key] = (tuple(best[0]), best[1])
+    return best
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """`strategy="auto"`'s plan in calibration level names: a chain (`levels` bottom-up, `gammas`) or, with
+    `widths`, a static tree drafted by `levels[0]` (an exit, or a lookup-first exit) under the full model."""
+
+    levels: tuple[str, ...]
+    gammas: tuple[int, ...]
+    widths: tuple[int, ...] | None
+    seconds_per_token: float
+
+
+def auto_plan(cal: Calibration, *, trees: bool = True, max_depth: int = 5) -> AutoPlan:
+    """The latency-optimal speculative plan `auto` decodes with (rows may still decode plainly): the best chain
+    hierarchy over the n-gram, the lookup-first exits (where the n-gram was measured) and the exits
+    (`best_hierarchy(speculative_only=True)`), unless `trees` and a static tree with some width > 1 (`best_tree`,
+    drafted by an exit, lookup-first where the n-gram was measured; never deeper than `max_depth`) is predicted
+    faster. Needs the calibration's top-k rates for trees (made since tree drafts were modelled). The decoder
+    (`hispec.decoding._auto_plan`), the bench's prediction and `calibrate`'s n-gram choice all plan through here."""
+    exits = [level_name(e) for e in sorted(int(name[1:]) for name in cal.costs.get("head", {}))]
+    measured = cal.acceptance.get(pair_key(NGRAM, FULL)) is not None and cal.costs.get("ngram") is not None
+    lookups = [NGRAM] + [LOOKUP + e for e in exits] if measured else []
+    choice = best_hierarchy(cal, candidates=lookups + exits, speculative_only=True)
+    best = AutoPlan(tuple(choice.levels), tuple(choice.gammas), None,
+                    time_per_token(list(choice.levels), list(choice.gammas), cal))
+    if not trees or not cal.topk or max_depth < 1:
+        return best
+    for level in exits:
+        if not cal.topk.get(pair_key(level, FULL)):
+            continue
+        for lookup in (False, True) if measured else (False,):
+            widths, t = best_tree(cal, level, max_depth=max_depth, lookup=lookup)
+            if widths and max(widths) > 1 and t < best.seconds_per_token:
+                best = AutoPlan((LOOKUP + level if lookup else level, FULL), (), tuple(widths), t)
     return best
 
 
@@ -752,7 +802,16 @@ def format_predictions(cal: Calibration, rows: list[dict]) -> str:
                      f"{r['speedup_vs_plain']:>8.2f}x")
     acc = ", ".join(f"{k} {v:.2f}" for k, v in cal.acceptance.items())
     lines += ["", f"acceptance (per token, greedy): {acc}; n-gram match {cal.ngram_match:.2f}"]
+    if cal.ngram_options:
+        plain = cal.plain_seconds_per_token()
+        opts = ", ".join(f"{_ngram_label(o['config'])} {plain / o['seconds_per_token']:.2f}x"
+                         for o in cal.ngram_options)
+        lines.append(f"n-gram config {_ngram_label(cal.ngram)} chosen by auto's predicted speedup ({opts})")
     return "\n".join(lines)
+
+
+def _ngram_label(cfg: dict) -> str:
+    return f"n={cfg['min_ngram']}..{cfg['max_ngram']}, <= {cfg['max_len']} tokens"
 
 
 # ---------------------------------------------------------------------------------------------- measurement
@@ -988,7 +1047,7 @@ def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int) -
     return statistics.median(per) if per else None
 
 
-def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = NgramConfig(),
+def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | None = None,
               progress: bool = False, repeats: int = 10, max_gamma: int = DEFAULT_MAX_GAMMA) -> Calibration:
     """Measure a `Calibration` of `model` (an `EarlyExitModel`) on this machine, in its dtype and thread count.
 
@@ -999,7 +1058,9 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
        for "ngram" under each level U the decoder's rounds along the answer: a lookup over the known prefix,
        the proposal walked against U's argmax until the first mismatch, then U's own token (so a copied span
        counts once, as in decoding, not once per position): per-token acceptance by `acceptance_from_counts`,
-       `ngram_match` = the share of rounds (under "full") whose lookup proposes, the median lookup time;
+       `ngram_match` = the share of rounds (under "full") whose lookup proposes, the median lookup time; for
+       every n-gram config measured (`ngram`; None: the checkpoint's `decoding.ngram` if it sets one, else each of
+       NGRAM_CANDIDATES, and the one `auto_plan` predicts fastest is kept, the others listed in `ngram_options`);
     3. unit costs (`measure_costs`) behind a KV cache of the typical context (median prompt + half an answer),
        for T = 1..max(max_gamma, ngram.max_len) + 1 and the tree passes' TREE_ROWS; per exit, the share of answer
        positions where the model's argmax is among the exit's top-k (k = 1..MAX_TREE_WIDTH; tree drafts);
@@ -1018,6 +1079,9 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     if not ids_list or any(not ids for ids in ids_list):
         raise ValueError("calibration needs at least one non-empty prompt")
     max_pos = getattr(ad.config, "max_position_embeddings", None)
+    if ngram is None and getattr(model.hispec_config, "ngram", None):
+        ngram = NgramConfig(**model.hispec_config.ngram)
+    configs = [ngram] if ngram is not None else list(NGRAM_CANDIDATES)
 
     # 1. the model's own greedy answers, timed
     answers, steps = [], []
@@ -1034,7 +1098,8 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
     # 2. acceptances, teacher-forced along those answers
     levels = [level_name(layer) for layer in sorted(exits.values())] + [FULL]
     agree = {pair_key(a, b): [0, 0] for i, a in enumerate(levels) for b in levels[i + 1:]}
-    ng = {lv: [0, 0, 0, 0, 0] for lv in levels}  # accepted, proposed, rejections, rounds, rounds with a proposal
+    # per n-gram config and level: accepted, proposed, rejections, rounds, rounds with a proposal
+    ng = [{lv: [0, 0, 0, 0, 0] for lv in levels} for _ in configs]
     positions = 0
     lookups = []
     topk_hits: dict[str, list[int]] = {}
@@ -1080,19 +1145,21 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
             c[0] += sum(x == y for x, y in zip(arg.get((lo, hi), arg[lo]), arg[hi]))
             c[1] += N - 1
         positions += N - 1
-        for lv in levels:
-            counts = ngram_rounds(seq[0].cpu(), P, ans, arg[lv], ngram, lookups)
-            ng[lv] = [x + y for x, y in zip(ng[lv], counts)]
+        for c, cfg in enumerate(configs):
+            for lv in levels:
+                counts = ngram_rounds(seq[0].cpu(), P, ans, arg[lv], cfg, lookups if c == 0 else None)
+                ng[c][lv] = [x + y for x, y in zip(ng[c][lv], counts)]
     if positions == 0:
         raise ValueError(f"calibration needs answers of >= 2 tokens; got none (max_new_tokens={max_new_tokens})")
     acceptance = {k: c[0] / c[1] for k, c in agree.items()}
-    for lv, (acc, prop_n, rej, _, _) in ng.items():
-        acceptance[pair_key(NGRAM, lv)] = acceptance_from_counts(acc, prop_n, rej) or 0.0
-    rounds, matched = ng[FULL][3:]  # exact for ngram > full: teacher forcing follows the model's own greedy path
+    ngram_acc = [{pair_key(NGRAM, lv): acceptance_from_counts(*counts[:3]) or 0.0 for lv, counts in per.items()}
+                 for per in ng]
+    # exact for ngram > full: teacher forcing follows the model's own greedy path
+    ngram_match = [per[FULL][4] / max(per[FULL][3], 1) for per in ng]
 
     # 3. unit costs, behind the typical context
     context = int(statistics.median(len(ids) + len(ans) // 2 for ids, ans in zip(ids_list, answers)))
-    chain = max(max_gamma, ngram.max_len) + 1
+    chain = max(max_gamma, *(cfg.max_len for cfg in configs)) + 1
     rows = tuple(range(1, chain + 1)) + tuple(T for T in TREE_ROWS if T > chain)  # chains; passes over trees
     if max_pos:
         context = max(1, min(context, max_pos - 2 * max(rows) - 2))
@@ -1109,11 +1176,27 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig = 
         step, draft, L=L, e=exits["draft"], layer=costs["layer"][1], final=costs["final"][1],
         head=costs["head"][level_name(exits["draft"])][1])
     measured = {"ar": 1.0 / step} if step else None
-    return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype), threads=torch.get_num_threads(),
-                       model=model_identity(model), costs=costs, acceptance=acceptance,
-                       ngram_match=matched / max(rounds, 1), measured=measured, context=context, positions=positions,
-                       ngram={"max_ngram": ngram.max_ngram, "min_ngram": ngram.min_ngram, "max_len": ngram.max_len},
-                       topk={pair_key(lv, FULL): [h / positions for h in hits] for lv, hits in topk_hits.items()})
+
+    # 5. the n-gram config: of those measured, the one auto's plan is predicted fastest with (the first on a tie)
+    def with_config(c: int, options=None) -> Calibration:
+        cfg = configs[c]
+        return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype),
+                           threads=torch.get_num_threads(), model=model_identity(model), costs=costs,
+                           acceptance={**acceptance, **ngram_acc[c]}, ngram_match=ngram_match[c], measured=measured,
+                           context=context, positions=positions,
+                           ngram={"max_ngram": cfg.max_ngram, "min_ngram": cfg.min_ngram, "max_len": cfg.max_len},
+                           topk={pair_key(lv, FULL): [h / positions for h in hits] for lv, hits in topk_hits.items()},
+                           ngram_options=options)
+
+    if len(configs) == 1:
+        return with_config(0)
+    options = []
+    for c in range(len(configs)):
+        cal = with_config(c)
+        options.append({"config": cal.ngram, "match": cal.ngram_match, "acceptance": ngram_acc[c],
+                        "seconds_per_token": auto_plan(cal, max_depth=min(5, max_new_tokens)).seconds_per_token})
+    best = min(range(len(configs)), key=lambda c: options[c]["seconds_per_token"])
+    return with_config(best, options)
 
 
 # ---------------------------------------------------------------------------------------------- storage

@@ -55,6 +55,13 @@ def greedy_accept(cands: torch.Tensor, m: torch.Tensor, target_logits: torch.Ten
     return a, pred.gather(1, a[:, None]).squeeze(1)
 
 
+def rank_among(cands: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """`[B]`: the position of `token` `[B]` in each row's best-first candidates `cands` `[B, k]` (k where absent), e.g.
+    the model's token among a draft head's top-k."""
+    at = cands == token[:, None]
+    return torch.where(at.any(1), at.float().argmax(1), cands.shape[1])
+
+
 def speculative_accept(cands: torch.Tensor, m: torch.Tensor, q_rows: torch.Tensor, p_rows: torch.Tensor,
                        generator: torch.Generator | None = None):
     """Speculative sampling (Leviathan et al.; Chen et al.): candidates drawn from `q` become exact samples of `p`.

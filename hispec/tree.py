@@ -319,11 +319,13 @@ def tree_round(run, spec):
             path[:, d - 1] = torch.where(hit.any(1), sl.start + hit.float().argmax(1), -1)
         bonus = pred[rows, 1 + _deepest(path)]
     if run.policy is not None:  # `auto`: the exit's top-1 at the root, or shadows for the rows decoding plainly
+        rank = None
         if run.do_sample:
             top1 = torch.minimum(prow[:, 0], qrows[:, 0]).sum(-1)
-        else:
-            top1 = (ntok[:, 0] == pred[:, 0]).double()  # greedy: child 0 is the root's top-1
-        run.policy.observe_tree(run, depth_cap > 0, top1, part, bonus, prow if run.do_sample else None)
+        else:  # greedy: the model token's rank among the root's children, the exit's top-k_1 (auto's trees have
+            rank = sampling.rank_among(ntok[:, : spec.widths[0]], pred[:, 0])  # non-increasing widths: k_1 is the max)
+            top1 = (rank == 0).double()
+        run.policy.observe_tree(run, depth_cap > 0, top1, part, bonus, prow if run.do_sample else None, rank)
     # ---------------------------------------------------------------- commit the path, roll back the rest
     a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)

@@ -11,11 +11,11 @@ import torch
 from test_decoding import _chi2_pvalue, _draw, _exact_joint, _hf_greedy, _oracle, _ragged, _tiny_vocab_model, _wrap
 from tiny import FAMILIES, tiny_model
 
-from hispec import decoding, latency
+from hispec import NgramConfig, decoding, latency
 
 
 def _calibrated(model, acceptance=None, match=None, prompts=([5, 6, 7, 8, 9, 5, 6],), realistic=False):
-    cal = latency.calibrate(model, list(prompts), max_new_tokens=8, repeats=1, max_gamma=4)
+    cal = latency.calibrate(model, list(prompts), max_new_tokens=8, repeats=1, max_gamma=4, ngram=NgramConfig())
     if realistic:  # tiny models are all Python overhead; give them the cost shape of a real one (ms)
         Ts = list(cal.costs["layer"])
         cal = dataclasses.replace(cal, costs={
@@ -48,7 +48,7 @@ def test_auto_is_greedy_identical_for_every_family(family):
         assert out.stats.strategy.startswith("auto:") and out.stats.row_rounds > 0
     for lookup in (False, True):  # priors under which auto drafts trees (the exit's own, or lookup-first)
         cal = _tree_priors(model, lookup)
-        levels, tree, _ = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
+        levels, tree, _ = decoding._auto_plan(model, cal, gamma=1, window=1, ngram=NgramConfig())
         assert tree is not None and max(tree.widths) > 1
         out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
         assert torch.equal(out.sequences, ref), lookup
@@ -67,7 +67,7 @@ def test_auto_sampling_matches_the_exact_distribution(warp, priors):
     else:  # priors under which auto runs the lookup-first exit (its two drafters' rows: point masses and q)
         cal = _calibrated(model, lambda k: {"L1>full": 0.9, "ngram>full": 0.7}.get(k, 0.0), 0.5, prompts=([1, 3, 2],),
                           realistic=True)
-        chain = decoding._auto_chain(model, cal, gamma=1, window=1, ngram=decoding.NgramConfig())
+        chain = decoding._auto_chain(model, cal, gamma=1, window=1, ngram=NgramConfig())
         assert [lv.name for lv in chain] == ["ngram|L1", "full"]
     prompt, n = [1, 3, 2], 3
     outcomes, probs = _exact_joint(model, prompt, n, warp)
@@ -89,6 +89,18 @@ def _spy_choices(monkeypatch, current):
 
     monkeypatch.setattr(decoding._AutoPolicy, "choose", spy)
     return rounds
+
+
+def _auto_greedy_with(monkeypatch, model, exit_logits, *, rows: int, new: int):
+    """Greedy `auto` on `rows` ragged prompts with `exit_logits` in place of the model's: (output, per-row choices
+    from `_spy_choices`), after checking the output equals plain greedy decoding."""
+    model.exit_logits = exit_logits
+    rounds = _spy_choices(monkeypatch, {})
+    ids, am = _ragged(rows, 7)
+    ref = _hf_greedy(model.base, ids, am, new)
+    out = model.generate(ids, am, max_new_tokens=new, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    return out, rounds
 
 
 def _flip_exit_logits(model, current, bad):
@@ -163,16 +175,38 @@ def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monke
         out = orig(name, hidden, *a, **kw)
         return -out if calls["n"] <= 12 else out
 
-    model.exit_logits = bad_at_first
-    rounds = _spy_choices(monkeypatch, {})
-    ids, am = _ragged(1, 7)
-    ref = _hf_greedy(model.base, ids, am, 60)
-    out = model.generate(ids, am, max_new_tokens=60, strategy="auto")
-    assert torch.equal(out.sequences, ref)
+    out, rounds = _auto_greedy_with(monkeypatch, model, bad_at_first, rows=1, new=60)
     assert ("[tree " in out.stats.strategy) == tree
     g = rounds[0]
     assert 0 in g, f"never went plain: {g}"
     assert any(x >= (1 if tree else 2) for x in g[g.index(0):]), f"never climbed back: {g}"
+
+
+def test_a_tree_row_keeps_its_own_top_k_counts_and_stays_on_the_tree_its_second_choices_pay_for(monkeypatch):
+    """Greedy trees count each row's own top-k hits: an exit whose top-1 never agrees with the model but whose 2nd
+    choice always does (r(1) = 0, r(2) = 1) keeps drafting the tree, where scaling the calibration's top-k rates
+    to the row's top-1 rate (`latency.scaled_topk`, all sampling can observe) would have sent it plain."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
+    cal = _tree_priors(model, lookup=False, top1=0.5)
+    plan = latency.auto_plan(cal)
+    assert plan.widths is not None and plan.widths[0] >= 2, plan
+    key = "L2>full"
+    scaled = latency.tree_time_per_token(list(plan.widths), cal, "L2", {key: latency.scaled_topk(cal.topk[key], 0.0)})
+    assert scaled > cal.plain_seconds_per_token()  # the scaled estimate alone predicts plain decoding faster
+    orig = model.exit_logits
+
+    def second(name, hidden, *a, **kw):  # the model's token (the oracle exit's top-1) becomes the exit's 2nd choice
+        out = orig(name, hidden, *a, **kw)
+        top2 = out.topk(2, dim=-1).indices
+        swapped = out.scatter(-1, top2[..., :1], out.gather(-1, top2[..., 1:]))
+        return swapped.scatter(-1, top2[..., 1:], out.gather(-1, top2[..., :1]))
+
+    out, rounds = _auto_greedy_with(monkeypatch, model, second, rows=2, new=48)
+    assert "[tree " in out.stats.strategy
+    for b, g in rounds.items():
+        assert g and all(x == 1 for x in g), f"row {b} (every 2nd choice right) should keep its tree: {g}"
+    assert out.stats.plain_row_rounds == 0
+    assert out.stats.tokens_per_target_pass > 1.5
 
 
 def test_auto_takes_the_lookup_first_exit_and_counts_its_two_drafters_apart(monkeypatch):
@@ -258,7 +292,7 @@ def test_auto_tree_sampling_matches_the_exact_distribution(warp, lookup):
 def test_auto_plans_no_tree_without_topk_rates_or_room():
     model = _wrap(tiny_model("llama"), head_type="linear")
     cal = _tree_priors(model, lookup=True)
-    kw = dict(gamma=1, window=1, ngram=decoding.NgramConfig())
+    kw = dict(gamma=1, window=1, ngram=NgramConfig())
     assert decoding._auto_plan(model, cal, **kw)[1] is not None
     assert decoding._auto_plan(model, dataclasses.replace(cal, topk=None), **kw)[1] is None  # an older calibration
     assert decoding._auto_plan(model, cal, max_new_tokens=0, **kw)[1] is None

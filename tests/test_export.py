@@ -183,6 +183,9 @@ def test_calibrated_export_stores_the_calibration_and_the_card_states_it(train_d
     assert cal.machine["cpu"] in speed and cal.dtype in speed and "Not measured" not in speed
     assert f"`ar` {cal.measured['ar']:.1f} tok/s" in speed  # the measured figure
     assert "| self-spec | `L2>full` |" in speed and "vs plain decoding" in speed
+    c = cal.ngram  # the n-gram config the calibration chose, and how many it measured
+    assert f"suffixes of {c['min_ngram']}..{c['max_ngram']} tokens" in speed and f"up to {c['max_len']} tokens" in speed
+    assert f"one of {len(latency.NGRAM_CANDIDATES)} configs" in speed
 
 
 def test_calibrate_without_prompts_fails_before_exporting(train_dir, tmp_path, monkeypatch, capsys):

@@ -326,6 +326,66 @@ def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
     cal.check(model)  # its own model, this machine
 
 
+def test_calibrate_keeps_the_ngram_config_auto_is_predicted_fastest_with(tiny):
+    """Without a config, every candidate is measured on the same answers; the kept one is the argmin of auto's
+    predicted time, and the calibration's n-gram figures are that config's own."""
+    model, cal = tiny
+    opts = cal.ngram_options
+    assert [o["config"] for o in opts] == [dataclasses.asdict(c) for c in lt.NGRAM_CANDIDATES]
+    for o in opts:  # each option's time is auto's plan under that option's figures
+        alt = dataclasses.replace(cal, ngram=o["config"], ngram_match=o["match"],
+                                  acceptance={**cal.acceptance, **o["acceptance"]}, ngram_options=None)
+        assert lt.auto_plan(alt).seconds_per_token == pytest.approx(o["seconds_per_token"])
+        assert set(o["acceptance"]) == {"ngram>L2", "ngram>L4", "ngram>full"}
+    best = min(opts, key=lambda o: o["seconds_per_token"])
+    assert cal.ngram == best["config"] and cal.ngram_match == best["match"]
+    assert all(cal.acceptance[k] == v for k, v in best["acceptance"].items())
+    assert len({o["match"] for o in opts}) > 1  # each was measured with its own config
+    assert max(o["match"] for o in opts) > 0  # the repetitive prompt
+    text = lt.format_predictions(cal, lt.predictions(cal))
+    assert "chosen by auto's predicted speedup" in text
+
+
+def test_calibrate_measures_only_a_given_or_checkpoint_ngram_config(tiny):
+    model, _ = tiny
+    given = hispec.NgramConfig(max_ngram=2, min_ngram=2, max_len=3)
+    cal = lt.calibrate(model, [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=6, repeats=1, ngram=given)
+    assert cal.ngram == dataclasses.asdict(given) and cal.ngram_options is None
+    model.hispec_config.ngram = {"max_ngram": 4, "min_ngram": 2, "max_len": 5}
+    try:
+        cal = lt.calibrate(model, [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=6, repeats=1)
+    finally:
+        model.hispec_config.ngram = {}
+    assert cal.ngram == {"max_ngram": 4, "min_ngram": 2, "max_len": 5} and cal.ngram_options is None
+
+
+def test_decoding_runs_the_ngram_config_the_calibration_chose(tiny, monkeypatch):
+    """An explicit config wins, then the checkpoint's `decoding.ngram`, then the calibration's, then defaults;
+    `generate` proposes with it."""
+    from hispec import decoding
+
+    model, cal = tiny
+    chosen = {"max_ngram": 3, "min_ngram": 2, "max_len": 4}
+    seen = []
+    propose = decoding.propose_batch
+    monkeypatch.setattr(decoding, "propose_batch", lambda *a: seen.append(a[-1]) or propose(*a))
+    old = model.hispec_config.calibration
+    try:
+        model.hispec_config.calibration = None
+        assert decoding.ngram_config(model) == hispec.NgramConfig()
+        model.hispec_config.calibration = dataclasses.replace(cal, ngram=chosen).to_dict()
+        assert decoding.ngram_config(model) == hispec.NgramConfig(**chosen)
+        ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]])
+        out = model.generate(ids, max_new_tokens=12, strategy="ngram")
+        assert seen and set(seen) == {hispec.NgramConfig(**chosen)}
+        assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=12, strategy="ar").sequences)  # lossless
+        assert decoding.ngram_config(model, {"min_ngram": 1}) == hispec.NgramConfig(min_ngram=1)
+        model.hispec_config.ngram = {"max_ngram": 2}
+        assert decoding.ngram_config(model) == hispec.NgramConfig(max_ngram=2)
+    finally:
+        model.hispec_config.calibration, model.hispec_config.ngram = old, {}
+
+
 def test_calibration_round_trips_through_json_and_the_checkpoint(tiny, tmp_path):
     model, cal = tiny
     d = json.loads(json.dumps(cal.to_dict()))

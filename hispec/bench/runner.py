@@ -13,8 +13,7 @@ from tqdm.auto import tqdm
 
 from .. import latency
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
-from ..decoding import _auto_plan, _auto_trees, build_levels, parse_hierarchy
-from ..ngram import NgramConfig
+from ..decoding import _auto_plan, _auto_trees, build_levels, ngram_config, parse_hierarchy
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
 from ..tree import TreeSpec, parse_tree
 from .env import hardware_info, model_info
@@ -92,7 +91,7 @@ class BenchConfig:
     assistant_tokens: int | None = None  # hf-early-exit: num_assistant_tokens (None: transformers' default)
     tie_tolerance: float | None = None  # fp32 logit margin below which a divergence is a rounding tie (None: by dtype)
     tie_check: bool = True  # re-evaluate divergences in fp32 (costs one fp32 copy of the base when it is not fp32)
-    ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: the checkpoint's / defaults)
+    ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: `decoding.ngram_config`'s)
     verification: str | None = None  # sampling acceptance rule of unsuffixed hispec strategies (None: checkpoint's)
 
     def __post_init__(self):
@@ -443,7 +442,7 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         return {}, {}
     hc = model.hispec_config
     kw = dict(gamma=config.gamma or hc.gamma, window=config.window or hc.window,
-              ngram=NgramConfig(**(config.ngram or hc.ngram or {})))
+              ngram=ngram_config(model, config.ngram))
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:

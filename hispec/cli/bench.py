@@ -221,6 +221,7 @@ def _sweep(args, model, from_base: bool, prompts, config, progress: bool) -> int
 def _calibrate(args, model, prompts, progress: bool) -> None:
     """Calibrate the latency model on prompts the benchmark does not run (when the file has enough), store it."""
     from .. import latency
+    from ..ngram import NgramConfig
     from ..prompts import load_prompts, spread_over_categories
 
     if not Path(args.model, "config.json").is_file():
@@ -233,16 +234,11 @@ def _calibrate(args, model, prompts, progress: bool) -> None:
         rest = [p for p in every if p.text not in used]
         cal_prompts = spread_over_categories(rest or every, args.calibration_num_prompts)
     print(f"[hispec-bench] calibrating on {len(cal_prompts)} prompts", file=sys.stderr, flush=True)
-    cal = latency.calibrate(model, cal_prompts, ngram=_ngram_config(args, model), progress=progress)
+    flags = _ngram(args)  # given: measure that config; else the checkpoint's, else calibrate chooses one
+    cal = latency.calibrate(model, cal_prompts, ngram=NgramConfig(**flags) if flags else None, progress=progress)
     latency.write_calibration(args.model, cal)
     model.hispec_config.calibration = cal.to_dict()
     print(latency.format_predictions(cal, latency.predictions(cal)), file=sys.stderr, flush=True)
-
-
-def _ngram_config(args, model):
-    from ..ngram import NgramConfig
-
-    return NgramConfig(**(_ngram(args) or model.hispec_config.ngram or {}))
 
 
 def _ngram(args) -> dict | None:

@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding import (GenerationStats, LevelStats, _as_list, _AutoPolicy, _auto_chain, _calibration, _Run,
-                        _stop_checker, build_levels, default_strategy, parse_hierarchy)
-from ..ngram import NgramConfig
+                        _stop_checker, build_levels, default_strategy, ngram_config, parse_hierarchy)
 from ..sampling import check_verification
 from .paged import PagedKVCache, PagedKVStore
 
@@ -136,7 +135,7 @@ class Engine:
         strategy = req.strategy or self.default_strategy
         verification = check_verification(req.verification if req.verification is not None
                                           else getattr(cfg, "verification", "token"))
-        ngram = NgramConfig(**(getattr(cfg, "ngram", None) or {}))
+        ngram = ngram_config(self.model)
         cal = None
         if strategy == "auto":
             cal = _calibration(self.model)
