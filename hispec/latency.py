@@ -105,6 +105,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import packed
 from .heads import ContextInputs
 from .io import write_json
 from .ngram import NgramConfig, propose
@@ -200,11 +201,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_fingerprint(device=None) -> dict:
-    """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch."""
+def machine_fingerprint(device=None, model=None) -> dict:
+    """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch, and
+    with `model` (an `EarlyExitModel`) its linear kernels (`hispec.packed.kind`: prepacked or stock)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     fp = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": dev.type,
           "cuda_name": None, "torch": torch.__version__, "platform": platform.machine()}
+    if model is not None:
+        fp["linear"] = packed.kind(model.base)
     if dev.type == "cuda" and torch.cuda.is_available():
         fp["cuda_name"] = torch.cuda.get_device_name(dev)
     return fp
@@ -371,7 +375,7 @@ class Calibration:
         m = self.machine
         dev = m.get("cuda_name") or m.get("device", "?")
         return (f"{m.get('cpu', '?')} ({m.get('cpu_capability', '?')}), device {dev}, {self.dtype}, "
-                f"{self.threads} threads, torch {m.get('torch', '?')}")
+                f"{self.threads} threads, torch {m.get('torch', '?')}, {m.get('linear', packed.STOCK)} linears")
 
     def check(self, model, *, machine: bool = True) -> None:
         """Raise `CalibrationError` when this calibration was made for another model (depth, hidden size,
@@ -389,9 +393,12 @@ class Calibration:
                                    "hispec.latency.calibrate)")
         if not machine:
             return
-        here = machine_fingerprint(model.device)
+        here = machine_fingerprint(model.device, model)
         diffs = [f"{k}: calibrated {self.machine.get(k)!r}, here {here[k]!r}"
                  for k in ("cpu", "cpu_capability", "device", "cuda_name") if self.machine.get(k) != here[k]]
+        if self.machine.get("linear", packed.STOCK) != here["linear"]:  # calibrations before hispec.packed: stock
+            diffs.append(f"linear kernels: calibrated {self.machine.get('linear', packed.STOCK)}, the model runs "
+                         f"{here['linear']} (hispec.load(pack=...), --no-pack)")
         if _dtype_name(model.dtype) != self.dtype:
             diffs.append(f"dtype: calibrated {self.dtype}, model runs in {_dtype_name(model.dtype)}")
         if diffs:
@@ -1180,7 +1187,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
     # 5. the n-gram config: of those measured, the one auto's plan is predicted fastest with (the first on a tie)
     def with_config(c: int, options=None) -> Calibration:
         cfg = configs[c]
-        return Calibration(machine=machine_fingerprint(dev), dtype=_dtype_name(ad.dtype),
+        return Calibration(machine=machine_fingerprint(dev, model), dtype=_dtype_name(ad.dtype),
                            threads=torch.get_num_threads(), model=model_identity(model), costs=costs,
                            acceptance={**acceptance, **ngram_acc[c]}, ngram_match=ngram_match[c], measured=measured,
                            context=context, positions=positions,

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import decoding
+from . import decoding, packed
 from .gguf import load_gguf_model, load_gguf_tokenizer
 from .heads import CONTEXT_DEFAULTS, EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
@@ -491,8 +491,13 @@ class EarlyExitModel(nn.Module):
         return decoding.generate(self, input_ids, attention_mask=attention_mask, **kwargs)
 
 
-def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: str | None = None) -> EarlyExitModel:
-    """Load a hispec checkpoint (local folder or Hub id): base + heads, checked against each other."""
+def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: str | None = None,
+         pack: bool | None = None) -> EarlyExitModel:
+    """Load a hispec checkpoint (local folder or Hub id): base + heads, checked against each other.
+
+    `pack`: multiply every linear layer through oneDNN-prepacked weights (`hispec.packed`: ~2x faster decoding on
+    CPU, same tokens up to last-bit ties; twice the linear layers' weight memory). None packs on CPU in fp32 / bf16
+    when this torch can; False keeps the stock kernels."""
     name = str(path_or_hub_id)
     if name.endswith(".gguf"):
         raise CheckpointError(
@@ -524,4 +529,4 @@ def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: s
     check_base_matches(hconf.base, base, where=f"heads in {name}")
     model = EarlyExitModel(base, hconf, tokenizer=tokenizer)
     model.load_heads(heads_file)
-    return model
+    return packed.apply(model, pack)

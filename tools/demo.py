@@ -41,7 +41,7 @@ ACCELERATE_CONFIG = REPO / "recipes" / "accelerate" / "cpu.yaml"
 HEADS_FILE = "hispec_heads.safetensors"
 TRAIN_INFO_FILE = "hispec_train.json"
 SPEC_BENCH = Path("eval") / "spec_bench_question.jsonl"
-STRATEGIES = "hf,hf-prompt-lookup,self-spec,self-spec-lookup,hispec,ngram,auto"
+STRATEGIES = "hf,hf-packed,hf-prompt-lookup,self-spec,self-spec-lookup,hispec,ngram,auto"
 # A short run of the recipe (its header's "quick check", a little longer): ~10-15 min on 2 idle cores.
 # Export options for a fresh training run (--retrain): 8k-token output vocabularies for both exit heads (the full
 # 49k-row lm_head costs ~4 decoder layers here, 8k rows ~0.3; coverage of SmolLM2's own answer tokens 0.87) and the

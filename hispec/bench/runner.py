@@ -4,6 +4,7 @@ divergences (`TieChecker`, `tie_tolerance`), `run_bench` and the latency model's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .. import latency
+from .. import latency, packed
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
 from ..decoding import _auto_plan, _auto_trees, build_levels, ngram_config, parse_hierarchy
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
@@ -19,7 +20,9 @@ from ..tree import TreeSpec, parse_tree
 from .env import hardware_info, model_info
 
 
-HF_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup")
+# transformers' own decoding, run with stock linear kernels (as a user gets it) even on a packed model; "hf-packed"
+# is transformers' greedy/sampling `generate` on the prepacked linears (`hispec.packed`), the kernel's gain alone
+HF_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup", "hf-packed")
 STRATEGIES = HF_STRATEGIES + HISPEC_STRATEGIES
 REFERENCE = "hf"
 STAGES = ("prefill", "draft", "verify", "target", "other")
@@ -271,8 +274,9 @@ class Runner:
         if strategy in HF_STRATEGIES:
             kwargs = self._hf_kwargs(strategy, n)
             torch.manual_seed(seed)
+            kernels = contextlib.nullcontext() if strategy == "hf-packed" else packed.stock()
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), kernels:
                 out = model.base.generate(ids, attention_mask=mask, **kwargs)
             secs = time.perf_counter() - t0
             tokens, _ = cut_at_eos(out[0, ids.shape[1]:].tolist(), self.eos)
@@ -378,7 +382,8 @@ class TieChecker:
             return None
         prompt = ids[0][mask[0].bool()]
         seq = torch.cat([prompt, torch.tensor(ref[:k], dtype=prompt.dtype, device=prompt.device)])[None]
-        logits = self._base32()(seq).logits[0, -1].float()
+        with packed.stock():  # the reference's kernels (transformers' strategies run unpacked)
+            logits = self._base32()(seq).logits[0, -1].float()
         return float(logits[ref[k]] - logits[other[k]])
 
     def close(self):

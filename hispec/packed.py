@@ -1,0 +1,175 @@
+"""Prepacked CPU linear layers: `nn.Linear`'s product through oneDNN with the weight laid out for it once.
+
+Why. On CPU `nn.functional.linear` hands the weight to the GEMM in its plain `[out, in]` layout, and the library
+re-lays it out (packs) on every call; for decoding, where a pass is 1-16 positions, that repacking is most of the
+time. Measured here (2-core AMD EPYC, Zen 4, AVX-512 + AVX512-bf16, torch 2.13, 2 threads), one 8960 x 1536
+product (Qwen2.5-Coder-1.5B's MLP) for 1 / 2 / 4 / 16 positions: fp32 3.9 / 7.2 / 7.8 / 8.5 ms plain against
+1.7 / 1.9 / 1.6 / 2.9 ms prepacked; bf16 1.3 / 1.1 / 1.3 / 2.1 ms against 0.45 / 0.53 / 0.62 / 1.5 ms. On the whole
+model transformers' own greedy `generate` goes from 3.4 to 7.2 tok/s in bf16 and from 2.1 to 4.1 in fp32 with the
+same tokens, and a pass over 8 positions costs about one over 1 position again (in fp32 it cost 2x), which is the
+condition under which speculation pays. So `pack(model)` speeds up plain decoding and speculative decoding alike;
+the benchmark runs transformers' strategies (`hf`, ...) unpacked, as a user gets them, and reports hispec's plain
+loop `ar` next to them so the kernel's share and speculation's share stay apart.
+
+Ecosystem: these are PyTorch's own ops (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`), the ones
+its inductor emits for a frozen CPU model (`torch._inductor.config.freezing`); `torch.compile` itself does not fit a
+decoder whose passes change shape every round (dynamic T, growing cache, tree masks) and costs minutes of
+compilation on small machines, `torch.utils.mkldnn.to_mkldnn` converts activations to and from the opaque layout on
+every call (measured 1.5-2x slower than this at 4-16 positions), and intel-extension-for-pytorch's `ipex.optimize`
+is not a dependency. The ops are private to torch, so `available()` probes them once and `pack` refuses clearly
+where they are missing; every `PackedLinear` falls back to `nn.functional.linear` for inputs it does not cover
+(another device or dtype, autograd on the weight, `stock()`).
+
+Exactness. The packed product sums in a different order from the plain one, so logits differ in the last bits
+(|diff| ~1e-4 on fp32 logits of size ~10); greedy tokens can therefore differ from the unpacked model only where
+its top two logits tie to that precision, like bf16's batch effects (the benchmark re-evaluates every divergence in
+fp32 and reports its margin). hispec's own decoding is lossless with respect to the model it runs: packed or not,
+speculative output equals that model's plain greedy output (tested per family).
+
+Memory: the packed copy sits beside the weight (the `weight` Parameter stays, so tying, `state_dict`, saving and
+every reader of `.weight` are unchanged), i.e. about twice the linear layers' weight memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from torch import nn
+
+KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorded in latency calibrations)
+STOCK = "stock"
+PACK_DTYPES = (torch.float32, torch.bfloat16)
+_BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
+_enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
+_available: bool | None = None
+
+
+class PackingUnavailable(RuntimeError):
+    """This torch build (or device) has no usable oneDNN prepacked linear."""
+
+
+def available() -> bool:
+    """Whether this torch build can run prepacked oneDNN linears on CPU (probed once, on a tiny product)."""
+    global _available
+    if _available is None:
+        try:
+            ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            if ok:
+                w, x = torch.randn(8, 16), torch.randn(3, 16)
+                y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT),
+                                                       None, "none", [], "")
+                ok = bool(torch.allclose(y, x @ w.t(), atol=1e-4))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _available = ok
+    return _available
+
+
+@contextlib.contextmanager
+def stock():
+    """Within this block every `PackedLinear` computes `nn.functional.linear` (the unpacked model, e.g. to time or
+    check transformers' own `generate` as a user runs it)."""
+    token = _enabled.set(False)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` (same `weight` / `bias` Parameters) that multiplies through a oneDNN-prepacked copy of its
+    weight. The copy is made on first use and remade when the weight changes (in-place update, `.to()`); it is not
+    part of the state dict and is dropped by copy / pickle."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) and readers stay intact
+        self.bias = linear.bias
+        self._packed = None
+        self._key = None
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> PackedLinear:
+        out = cls(linear)
+        out.train(linear.training)
+        out._forward_hooks.update(linear._forward_hooks)
+        out._forward_pre_hooks.update(linear._forward_pre_hooks)
+        return out
+
+    def _weight_key(self):
+        w = self.weight
+        return w.data_ptr(), w._version, w.dtype, w.device
+
+    def packed_weight(self) -> torch.Tensor:
+        key = self._weight_key()
+        if self._packed is None or self._key != key:
+            with torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
+            self._key = key
+        return self._packed
+
+    def covers(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (_enabled.get() and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype
+                and w.dtype in PACK_DTYPES and x.dim() >= 2 and x.shape[-1] == self.in_features
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.covers(x):
+            return nn.functional.linear(x, self.weight, self.bias)
+        bias = self.bias.detach() if self.bias is not None else None
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight(), bias, "none", [], "")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_packed"], state["_key"] = None, None  # an opaque oneDNN tensor: remade on first use
+        return state
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", packed=oneDNN"
+
+
+def pack(module: nn.Module) -> int:
+    """Replace every `nn.Linear` under `module` (in place) by a `PackedLinear` sharing its Parameters; returns how
+    many were replaced (already packed ones are left as they are). Raises `PackingUnavailable` when this torch
+    cannot (no oneDNN), or when the module is not on the CPU or not in fp32 / bf16."""
+    if not available():
+        raise PackingUnavailable("this torch build has no usable oneDNN prepacked linear "
+                                 "(torch.ops.mkldnn._linear_pointwise); decode unpacked (--no-pack / pack=False)")
+    params = [p for p in module.parameters()]
+    devices = {p.device.type for p in params}
+    if devices - {"cpu"}:
+        raise PackingUnavailable(f"prepacked linears are a CPU kernel; this model is on {sorted(devices)}")
+    n = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype in PACK_DTYPES:
+                setattr(parent, name, PackedLinear.wrap(child))
+                n += 1
+    return n
+
+
+def kind(module: nn.Module) -> str:
+    """`KIND` when `module` holds packed linears, else `STOCK` (what a latency calibration records: packed and
+    unpacked models have different costs)."""
+    return KIND if any(isinstance(m, PackedLinear) for m in module.modules()) else STOCK
+
+
+def wanted(pack_arg, device, dtype) -> bool:
+    """Resolve a `pack=` argument: True / False as given; None ("auto") packs on CPU in fp32 / bf16 when this torch
+    can."""
+    if pack_arg is not None:
+        return bool(pack_arg)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return dev.type == "cpu" and (dtype is None or dtype in PACK_DTYPES) and available()
+
+
+def apply(model, pack_arg=None):
+    """Pack an `EarlyExitModel`'s base and heads when `wanted(pack_arg, ...)`; returns the model."""
+    if wanted(pack_arg, model.device, model.dtype):
+        pack(model.base)
+        pack(model.heads)
+    return model

@@ -1,0 +1,164 @@
+"""Prepacked CPU linears (`hispec.packed`): the same products as nn.Linear, lossless decoding on a packed model,
+the stock fallback, and the calibration's record of which kernels it timed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny import FAMILIES, tiny_model
+
+import hispec
+from hispec import latency, packed
+
+pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN prepacked linear")
+
+STRATEGIES = ("ar", "self-spec", "hispec", "ngram-hispec", "self-spec-lookup", "hispec-lookup")
+
+
+def _wrap(base, head_type="linear"):
+    base.generation_config.eos_token_id = None
+    base.generation_config.pad_token_id = 0
+    return hispec.EarlyExitModel.from_base(base, draft_layer=2, verify_layer=4, head_type=head_type)
+
+
+def _ids(B=3, P=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (B, P), generator=g)
+    am = torch.ones(B, P, dtype=torch.long)
+    am[1, :3] = 0
+    ids[am == 0] = 0
+    return ids, am
+
+
+def _hf(base, ids, am, n):
+    with torch.no_grad():
+        return base.generate(input_ids=ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_linear_computes_the_linear_product(dtype, bias):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    p = packed.PackedLinear.wrap(lin)
+    assert p.weight is lin.weight and p.bias is lin.bias  # the same Parameters
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for shape in [(1, 48), (5, 48), (2, 7, 48), (3, 1, 48)]:
+        x = torch.randn(shape).to(dtype)
+        with torch.no_grad():
+            ref = torch.nn.functional.linear(x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+            got = p(x)
+        assert got.dtype == dtype and got.shape == (*shape[:-1], 80)
+        torch.testing.assert_close(got.float(), ref, **tol)
+    x = torch.randn(4, 48).to(dtype)
+    with torch.no_grad():
+        assert p.covers(x)
+        with packed.stock():  # the stock kernel, bit for bit
+            assert not p.covers(x)
+            assert torch.equal(p(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        assert p.covers(x)
+    assert not p.covers(x.float() if dtype == torch.bfloat16 else x.double())  # another dtype: stock path
+
+
+def test_a_packed_linear_follows_its_weight_and_falls_back_under_autograd():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24)
+    p = packed.PackedLinear.wrap(lin)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        first = p(x)
+        lin.weight.mul_(2.0)  # an in-place update: the packed copy is remade
+        torch.testing.assert_close(p(x), x @ lin.weight.t() + lin.bias, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(first, p(x))
+    y = p(x)  # grad enabled and the weight requires grad: the stock path, with gradients
+    y.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == lin.weight.shape
+    clone = copy.deepcopy(p)  # the opaque copy is dropped, remade on use
+    assert clone._packed is None
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x), p(x))
+
+
+def test_packing_keeps_ties_state_dict_and_module_types():
+    base = tiny_model("qwen2")
+    base.lm_head.weight = base.get_input_embeddings().weight  # tied embeddings, as in Qwen2.5-1.5B
+    model = _wrap(base)
+    before = {k: v.clone() for k, v in model.base.state_dict().items()}
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.base.modules())
+    assert packed.pack(model.base) == n_linear > 0
+    assert packed.pack(model.base) == 0  # idempotent
+    assert packed.kind(model.base) == packed.KIND and packed.kind(tiny_model("llama")) == packed.STOCK
+    assert model.base.lm_head.weight is model.base.get_input_embeddings().weight
+    after = model.base.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(isinstance(m, torch.nn.Linear) for m in model.base.modules() if isinstance(m, packed.PackedLinear))
+
+
+def test_pack_refuses_a_model_off_the_cpu():
+    with torch.device("meta"):
+        lin = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(packed.PackingUnavailable, match="CPU kernel"):
+        packed.pack(lin)
+    assert not packed.wanted(None, "meta", torch.float32) and not packed.wanted(None, "cpu", torch.float16)
+    assert packed.wanted(None, "cpu", torch.float32) and packed.wanted(True, "meta", None)
+    assert not packed.wanted(False, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_on_a_packed_model_equals_hf_generate_for_every_strategy(family):
+    """Lossless with respect to the model it runs: on a packed model every strategy equals transformers' greedy
+    `generate` of that same model; and in fp32 these tiny models decode the same packed or not."""
+    base = tiny_model(family)
+    model = _wrap(base)
+    ids, am = _ids()
+    stock = _hf(model.base, ids, am, 15)
+    packed.apply(model)
+    assert packed.kind(model.base) == packed.KIND and packed.kind(model.heads) == packed.KIND
+    ref = _hf(model.base, ids, am, 15)
+    assert torch.equal(ref, stock)
+    for strategy in STRATEGIES:
+        out = model.generate(ids, am, max_new_tokens=15, strategy=strategy, gamma=3, window=3)
+        assert torch.equal(out.sequences, ref), strategy
+    out = model.generate(ids, am, max_new_tokens=15, strategy="self-spec", tree=[3, 2])
+    assert torch.equal(out.sequences, ref)
+
+
+def test_sampling_on_a_packed_model_keeps_its_distribution():
+    """One chi-square check (with the rule-breaking control of test_decoding) on a packed tiny model: the
+    distribution is the packed model's own, enumerated from its logits."""
+    from test_decoding import _chi2_pvalue, _draw, _exact_joint, _tiny_vocab_model
+
+    model = _tiny_vocab_model()
+    packed.apply(model)
+    assert packed.kind(model.base) == packed.KIND
+    prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    for strategy in ("hispec", "self-spec-lookup"):
+        samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
+        assert _chi2_pvalue(samples, outcomes, probs) > 1e-4, strategy
+
+
+def test_load_packs_on_cpu_unless_told_not_to(tmp_path):
+    folder = _wrap(tiny_model("llama")).save(tmp_path / "ck")
+    assert packed.kind(hispec.load(folder).base) == packed.KIND
+    assert packed.kind(hispec.load(folder, pack=False).base) == packed.STOCK
+    assert packed.kind(hispec.load(folder, dtype="fp16").base) == packed.STOCK  # fp16: no packed kernel
+
+
+def test_a_calibration_records_the_kernels_it_timed():
+    model = _wrap(tiny_model("llama"))
+    here = latency.machine_fingerprint(model.device, model)
+    assert here["linear"] == packed.STOCK
+    cal = latency.Calibration.from_dict({
+        "machine": here, "dtype": "float32", "threads": 1, "model": latency.model_identity(model),
+        "costs": {"layer": {"1": 1e-3}, "final": {"1": 1e-3}, "head": {}, "ngram": 1e-5},
+        "acceptance": {}, "ngram_match": 0.0, "context": 16, "positions": 10})
+    cal.check(model)
+    packed.apply(model)
+    with pytest.raises(latency.CalibrationError, match=r"linear kernels: calibrated stock, the model runs onednn"):
+        cal.check(model)
+    old = latency.Calibration.from_dict({**cal.to_dict(), "machine": {k: v for k, v in here.items() if k != "linear"}})
+    with pytest.raises(latency.CalibrationError, match="linear kernels"):  # before packing existed: stock
+        old.check(model)
