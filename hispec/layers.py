@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import packed
 from .cache import KVCache
 
 _NORM_NAMES = ("norm", "final_layer_norm", "final_layernorm", "ln_f", "norm_f")
@@ -367,7 +368,8 @@ class DecoderAdapter:
             return self._model_head(normed, p.lm_head).index_select(-1, vocab)
         weight, bias = self._vocab_rows(vocab)
         if self._head_is_plain:  # the forward is lm_head and nothing else: skip its Python (~20 us a call)
-            return nn.functional.linear(normed, weight, bias)
+            rows = self._packed_rows(weight, bias)
+            return nn.functional.linear(normed, weight, bias) if rows is None else rows(normed)
         rows = self._rows_stand_in
         object.__setattr__(rows, "weight", weight)
         object.__setattr__(rows, "bias", bias)
@@ -522,6 +524,27 @@ class DecoderAdapter:
                 cache.pop(next(iter(cache)))
             cache[key] = hit
         return hit
+
+    def refresh_modules(self) -> None:
+        """Find the model's parts again after its modules were replaced in place (`hispec.packed.apply` swaps every
+        nn.Linear, lm_head included); the construction-time probes still hold (the same computation)."""
+        self.parts = _find_parts(self.model, self.num_layers)
+        self._model_lm_head = self.parts.lm_head
+        self._head_slot = _slot_of(self.model, self.parts.lm_head)
+        self.__dict__.pop("_packed_rows_cache", None)
+
+    def _packed_rows(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """A `hispec.packed.PackedLinear` over a frozen row subset when the model's lm_head is packed (the
+        subset product is a reduced-vocabulary head's every step), else None."""
+        if not isinstance(self.parts.lm_head, packed.PackedLinear) or weight.requires_grad:
+            return None
+        cache = self.__dict__.setdefault("_packed_rows_cache", {})
+        hit = cache.get(id(weight))  # (weight, bias, its version, rows): kept alive here, so ids are not reused
+        if hit is None or hit[0] is not weight or hit[1] is not bias or hit[2] != weight._version:
+            if hit is None and len(cache) >= 4:
+                cache.pop(next(iter(cache)))
+            hit = cache[id(weight)] = (weight, bias, weight._version, packed.rows_of(weight, bias))
+        return hit[3]
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden after the last layer `[.., H]` -> the model's own logits `[.., V]`."""

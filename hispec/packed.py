@@ -172,4 +172,14 @@ def apply(model, pack_arg=None):
     if wanted(pack_arg, model.device, model.dtype):
         pack(model.base)
         pack(model.heads)
+        model.adapter.refresh_modules()  # its lm_head (and other parts) were replaced
     return model
+
+
+def rows_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """A `PackedLinear` over given frozen tensors (e.g. a reduced vocabulary's lm_head rows), sharing their
+    storage."""
+    shell = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    shell.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    shell.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+    return PackedLinear.wrap(shell)

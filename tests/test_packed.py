@@ -116,6 +116,8 @@ def test_greedy_on_a_packed_model_equals_hf_generate_for_every_strategy(family):
     stock = _hf(model.base, ids, am, 15)
     packed.apply(model)
     assert packed.kind(model.base) == packed.KIND and packed.kind(model.heads) == packed.KIND
+    assert model.adapter.parts.lm_head is model.base.get_output_embeddings()  # the adapter runs the packed lm_head
+    assert isinstance(model.adapter.parts.lm_head, packed.PackedLinear)
     ref = _hf(model.base, ids, am, 15)
     assert torch.equal(ref, stock)
     for strategy in STRATEGIES:
@@ -162,3 +164,22 @@ def test_a_calibration_records_the_kernels_it_timed():
     old = latency.Calibration.from_dict({**cal.to_dict(), "machine": {k: v for k, v in here.items() if k != "linear"}})
     with pytest.raises(latency.CalibrationError, match="linear kernels"):  # before packing existed: stock
         old.check(model)
+
+
+def test_reduced_vocabulary_heads_project_through_packed_rows_and_stay_lossless():
+    model = _wrap(tiny_model("llama"))
+    model.set_exit_vocab("draft", list(range(0, 97, 2)))
+    model.set_exit_vocab("verify", list(range(40)))
+    ids, am = _ids()
+    hidden = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        want = {e: model.exit_logits(e, hidden) for e in ("draft", "verify")}
+        packed.apply(model)
+        got = {e: model.exit_logits(e, hidden) for e in ("draft", "verify")}
+    for e in want:
+        torch.testing.assert_close(got[e], want[e], atol=1e-5, rtol=1e-5)
+    rows = model.adapter.__dict__.get("_packed_rows_cache", {})
+    assert len(rows) == 2 and all(isinstance(r[3], packed.PackedLinear) for r in rows.values())
+    ref = _hf(model.base, ids, am, 15)
+    for strategy in ("self-spec", "hispec", "self-spec-lookup"):
+        assert torch.equal(model.generate(ids, am, max_new_tokens=15, strategy=strategy, gamma=2).sequences, ref)
