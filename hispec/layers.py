@@ -366,9 +366,8 @@ class DecoderAdapter:
             return self._model_head(normed, p.lm_head)
         if not self.logits_elementwise:
             return self._model_head(normed, p.lm_head).index_select(-1, vocab)
-        weight, bias = self._vocab_rows(vocab)
+        weight, bias, rows = self._vocab_rows(vocab, product=True)
         if self._head_is_plain:  # the forward is lm_head and nothing else: skip its Python (~20 us a call)
-            rows = self._packed_rows(weight, bias)
             return nn.functional.linear(normed, weight, bias) if rows is None else rows(normed)
         rows = self._rows_stand_in
         object.__setattr__(rows, "weight", weight)
@@ -507,23 +506,30 @@ class DecoderAdapter:
         self._head_is_plain = plain
         return True
 
-    def _vocab_rows(self, vocab: torch.Tensor):
+    def _vocab_rows(self, vocab: torch.Tensor, product: bool = False):
         """The lm_head rows (and bias) of `vocab`; copies of a frozen lm_head are cached (a reduced-vocabulary head
-        projects every decoding step, and gathering 8k x H rows each time costs as much as the product)."""
+        projects every decoding step, and gathering 8k x H rows each time costs as much as the product). With
+        `product`, a third item: a `hispec.packed.PackedLinear` over those rows when the model's lm_head is packed
+        (made once per cached copy), else None."""
         w = self.parts.lm_head.weight
         b = getattr(self.parts.lm_head, "bias", None)
         if w.requires_grad:
-            return w.index_select(0, vocab), None if b is None else b.index_select(0, vocab)
+            rows = (w.index_select(0, vocab), None if b is None else b.index_select(0, vocab))
+            return (*rows, None) if product else rows
         key = (vocab.data_ptr(), vocab.numel(), vocab._version, str(vocab.device), w.data_ptr(), w.dtype, w._version)
         cache = self.__dict__.setdefault("_vocab_rows_cache", {})
         hit = cache.get(key)
         if hit is None:
             with torch.no_grad():
-                hit = (w.index_select(0, vocab), None if b is None else b.index_select(0, vocab))
+                hit = [w.index_select(0, vocab), None if b is None else b.index_select(0, vocab), None]
             if len(cache) >= 4:
                 cache.pop(next(iter(cache)))
             cache[key] = hit
-        return hit
+        if not product:
+            return hit[0], hit[1]
+        if hit[2] is None and isinstance(self.parts.lm_head, packed.PackedLinear):
+            hit[2] = packed.rows_of(hit[0], hit[1])
+        return tuple(hit)
 
     def refresh_modules(self) -> None:
         """Find the model's parts again after its modules were replaced in place (`hispec.packed.apply` swaps every
@@ -531,20 +537,7 @@ class DecoderAdapter:
         self.parts = _find_parts(self.model, self.num_layers)
         self._model_lm_head = self.parts.lm_head
         self._head_slot = _slot_of(self.model, self.parts.lm_head)
-        self.__dict__.pop("_packed_rows_cache", None)
-
-    def _packed_rows(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        """A `hispec.packed.PackedLinear` over a frozen row subset when the model's lm_head is packed (the
-        subset product is a reduced-vocabulary head's every step), else None."""
-        if not isinstance(self.parts.lm_head, packed.PackedLinear) or weight.requires_grad:
-            return None
-        cache = self.__dict__.setdefault("_packed_rows_cache", {})
-        hit = cache.get(id(weight))  # (weight, bias, its version, rows): kept alive here, so ids are not reused
-        if hit is None or hit[0] is not weight or hit[1] is not bias or hit[2] != weight._version:
-            if hit is None and len(cache) >= 4:
-                cache.pop(next(iter(cache)))
-            hit = cache[id(weight)] = (weight, bias, weight._version, packed.rows_of(weight, bias))
-        return hit[3]
+        self.__dict__.pop("_vocab_rows_cache", None)
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden after the last layer `[.., H]` -> the model's own logits `[.., V]`."""

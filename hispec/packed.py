@@ -183,3 +183,16 @@ def rows_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLin
     shell.weight = nn.Parameter(weight.detach(), requires_grad=False)
     shell.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
     return PackedLinear.wrap(shell)
+
+
+def add_argument(parser) -> None:
+    """The CLIs' `--no-pack` flag (hispec-generate, hispec-bench, hispec-serve); `pack_arg(args)` reads it."""
+    parser.add_argument("--no-pack", action="store_true",
+                        help="keep the stock linear kernels (default on CPU in fp32 / bf16: multiply through "
+                             "oneDNN-prepacked weights, hispec.packed; ~2x faster decoding, twice the linear "
+                             "weights' memory)")
+
+
+def pack_arg(args) -> bool | None:
+    """`pack=` for `hispec.load` / `apply` from parsed CLI args: False with --no-pack, else None (auto)."""
+    return False if args.no_pack else None

@@ -178,8 +178,8 @@ def test_reduced_vocabulary_heads_project_through_packed_rows_and_stay_lossless(
         got = {e: model.exit_logits(e, hidden) for e in ("draft", "verify")}
     for e in want:
         torch.testing.assert_close(got[e], want[e], atol=1e-5, rtol=1e-5)
-    rows = model.adapter.__dict__.get("_packed_rows_cache", {})
-    assert len(rows) == 2 and all(isinstance(r[3], packed.PackedLinear) for r in rows.values())
+    rows = model.adapter.__dict__.get("_vocab_rows_cache", {})
+    assert len(rows) == 2 and all(isinstance(r[2], packed.PackedLinear) for r in rows.values())
     ref = _hf(model.base, ids, am, 15)
     for strategy in ("self-spec", "hispec", "self-spec-lookup"):
         assert torch.equal(model.generate(ids, am, max_new_tokens=15, strategy=strategy, gamma=2).sequences, ref)

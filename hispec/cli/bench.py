@@ -27,6 +27,8 @@ import json
 import sys
 from pathlib import Path
 
+from .. import packed
+
 DEFAULT_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup", "ar", "self-spec", "hispec", "ngram")
 
 
@@ -64,9 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     m.add_argument("--device", default=None, help="torch device (default cpu)")
     m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    m.add_argument("--no-pack", action="store_true",
-                    help="keep the stock linear kernels (default on CPU in fp32 / bf16: multiply through "
-                         "oneDNN-prepacked weights, hispec.packed; ~2x faster decoding, twice the linear weights' memory)")
+    packed.add_argument(m)
     d = p.add_argument_group("prompts")
     d.add_argument("--prompts", required=True,
                    help="Spec-Bench/MT-Bench question.jsonl, ShareGPT json, jsonl with a 'prompt' field, or text")
@@ -143,9 +143,8 @@ def load_model(args):
 
 def _load_model(args):
     import hispec
-    from hispec import packed
 
-    pack = False if args.no_pack else None
+    pack = packed.pack_arg(args)
 
     if args.draft_layer is not None or args.verify_layer is not None or args.head_type is not None:
         return packed.apply(hispec.EarlyExitModel.from_base(

@@ -14,6 +14,7 @@ import json
 import sys
 import time
 
+from .. import packed
 from ..decoding import STRATEGIES
 from ..sampling import VERIFICATIONS
 
@@ -62,9 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
     p.add_argument("--device", default=None, help="torch device (default: cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--no-pack", action="store_true",
-                    help="keep the stock linear kernels (default on CPU in fp32 / bf16: multiply through "
-                         "oneDNN-prepacked weights, hispec.packed; ~2x faster decoding, twice the linear weights' memory)")
+    packed.add_argument(p)
     p.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch size 1)")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt with text and stats")
     return p
@@ -72,11 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(args):
     import hispec
-    from hispec import packed
-
-    pack = False if args.no_pack else None
-
     from hispec.vocab import apply_vocab_sizes
+
+    pack = packed.pack_arg(args)
 
     if args.draft_layer is not None:
         model = packed.apply(hispec.EarlyExitModel.from_base(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .. import packed
 from ..decoding import STRATEGIES
 
 
@@ -27,9 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
-    p.add_argument("--no-pack", action="store_true",
-                    help="keep the stock linear kernels (default on CPU in fp32 / bf16: multiply through "
-                         "oneDNN-prepacked weights, hispec.packed; ~2x faster decoding, twice the linear weights' memory)")
+    packed.add_argument(p)
     p.add_argument("--strategy", default=None,
                    help=f"default strategy for requests that give none: {', '.join(STRATEGIES)} or a hierarchy "
                         "(default: auto when the checkpoint holds a calibration for this machine, else ar)")
@@ -50,9 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(args):
     import hispec
-    from hispec import packed
 
-    pack = False if args.no_pack else None
+    pack = packed.pack_arg(args)
 
     if args.draft_layer is not None:
         return packed.apply(hispec.EarlyExitModel.from_base(
