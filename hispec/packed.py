@@ -27,13 +27,18 @@ fp32 and reports its margin). hispec's own decoding is lossless with respect to 
 speculative output equals that model's plain greedy output (tested per family).
 
 Memory: the packed copy sits beside the weight (the `weight` Parameter stays, so tying, `state_dict`, saving and
-every reader of `.weight` are unchanged), i.e. about twice the linear layers' weight memory.
+every reader of `.weight` are unchanged), i.e. about twice the linear layers' weight memory. Packing by default
+must never make a model that fits fail to run, so `apply(model)` (pack=None) leaves the stock kernels in place, with
+a warning, when the copies would take more than `MEMORY_SHARE` of the memory the system has available
+(`available_memory()`, Linux's MemAvailable); an explicit `pack=True` packs regardless.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import warnings
 
 import torch
 from torch import nn
@@ -42,6 +47,7 @@ KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorde
 STOCK = "stock"
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
+MEMORY_SHARE = 0.7  # default packing only when the copies fit in this share of the available memory
 _enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
 _available: bool | None = None
 
@@ -167,9 +173,42 @@ def wanted(pack_arg, device, dtype) -> bool:
     return dev.type == "cpu" and (dtype is None or dtype in PACK_DTYPES) and available()
 
 
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes the packed copies of `module`'s packable linears take (about their weights' size; a weight shared by
+    two linears, e.g. tied embeddings, is copied for each)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in module.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype in PACK_DTYPES)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable; free pages elsewhere), or None
+    when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def apply(model, pack_arg=None):
-    """Pack an `EarlyExitModel`'s base and heads when `wanted(pack_arg, ...)`; returns the model."""
+    """Pack an `EarlyExitModel`'s base and heads when `wanted(pack_arg, ...)`; returns the model. With pack_arg None
+    (the default) a model whose packed copies would not fit in `MEMORY_SHARE` of the available memory stays
+    unpacked, with a warning (plain kernels are slower; running out of memory is worse)."""
     if wanted(pack_arg, model.device, model.dtype):
+        if pack_arg is None:
+            need, free = packed_bytes(model.base) + packed_bytes(model.heads), available_memory()
+            if free is not None and need > MEMORY_SHARE * free:
+                warnings.warn(f"hispec: not prepacking the linear layers: their packed copies need "
+                              f"{need / 2**30:.1f} GiB and the system has {free / 2**30:.1f} GiB available; "
+                              "decoding uses the stock kernels (hispec.load(..., pack=True) packs regardless)",
+                              stacklevel=2)
+                return model
         pack(model.base)
         pack(model.heads)
         model.adapter.refresh_modules()  # its lm_head (and other parts) were replaced

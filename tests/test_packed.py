@@ -183,3 +183,21 @@ def test_reduced_vocabulary_heads_project_through_packed_rows_and_stay_lossless(
     ref = _hf(model.base, ids, am, 15)
     for strategy in ("self-spec", "hispec", "self-spec-lookup"):
         assert torch.equal(model.generate(ids, am, max_new_tokens=15, strategy=strategy, gamma=2).sequences, ref)
+
+
+def test_default_packing_steps_aside_when_the_copies_would_not_fit_in_memory(monkeypatch):
+    real = packed.available_memory()
+    assert real is None or real > 2**20  # this machine's MemAvailable, read
+    base = tiny_model("llama")
+    need = packed.packed_bytes(base)
+    assert need == sum(m.weight.numel() * 4 for m in base.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(packed, "available_memory", lambda: int(need / packed.MEMORY_SHARE) - 1)
+    model = _wrap(base)
+    with pytest.warns(UserWarning, match="not prepacking"):
+        packed.apply(model)
+    assert packed.kind(model.base) == packed.STOCK
+    packed.apply(model, True)  # asked for explicitly: packed regardless
+    assert packed.kind(model.base) == packed.KIND
+    monkeypatch.setattr(packed, "available_memory", lambda: 100 * need)
+    roomy = packed.apply(_wrap(tiny_model("llama")))
+    assert packed.kind(roomy.base) == packed.KIND

@@ -35,10 +35,11 @@ def _reference(model, ids, mask, n):
     return rows
 
 
-@pytest.mark.parametrize("num", [10, pytest.param(40, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num", [5, pytest.param(40, marks=pytest.mark.slow)])
 def test_spec_bench_fp32_greedy_is_identical_to_hf(demo_model_dir, spec_bench_prompts, num):
-    """Spec-Bench prompts (10, one per category for 10 of the 13; 40 in the slow suite) x 128 new tokens, batched
-    (left-padded), untrained heads at L_d=4, L_i=8."""
+    """Spec-Bench prompts (5, one per category for 5 of the 13; all 40 in the slow suite) x 128 new tokens, batched
+    (left-padded), untrained heads at L_d=4, L_i=8. Five rows, not more, in the default suite: on a 2-core AVX-512
+    EPYC this test took ~19 min with ten (five strategies, near-zero acceptance at untrained exits)."""
     model = hispec.EarlyExitModel.from_base(demo_model_dir, head_type="linear", dtype="fp32")
     ids, mask = encode_prompts(model.tokenizer, spec_bench_prompts[:num])
     ref = _reference(model, ids, mask, 128)
