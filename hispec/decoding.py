@@ -905,7 +905,7 @@ class _AutoPolicy:
         self._match(rows, torch.zeros(len(rows)))
 
     # ---------------------------------------------------------------- choice
-    def _choose_tree(self, run: _Run, alphas, lookup, match):
+    def _choose_tree(self, run: _Run, cal, alphas, lookup, match):
         """Per row: the tree, or plain decoding (gam 0), whichever the latency model predicts faster under the row's
         own estimates (greedy: its top-k rates at the tree's widths, counted by `observe_tree`; sampling, where only
         the top-1 acceptance is observed exactly: the calibration's top-k rates scaled to the row's, by
@@ -913,8 +913,8 @@ class _AutoPolicy:
         hysteresis as chains."""
         exit_level = self.names[0].removeprefix(LOOKUP)
         key = self.latency.pair_key(exit_level, "full")
-        rates, widths = self.cal.topk[key], list(self.tree.widths)
-        plain = self.cal.plain_seconds_per_token()
+        rates, widths = cal.topk[key], list(self.tree.widths)
+        plain = cal.plain_seconds_per_token()
         own = None if run.do_sample else (self.khit / self.kseen[:, None].clamp(min=1e-9)).tolist()
         gam = [0] * alphas.shape[0]
         for b in range(alphas.shape[0]):
@@ -924,7 +924,7 @@ class _AutoPolicy:
                 row[k - 1] = r
             topk = {key: row}
             ng = {self.pairs[0][1]: float(lookup[b])} if self.lookup else None  # the row's n-gram rate
-            t = self.latency.tree_time_per_token(widths, self.cal, exit_level, topk, lookup=self.lookup,
+            t = self.latency.tree_time_per_token(widths, cal, exit_level, topk, lookup=self.lookup,
                                                  acceptance=ng, match=float(match[b]))
             on = t < plain * (1 - margin)
             gam[b] = 1 if on else 0
@@ -936,8 +936,9 @@ class _AutoPolicy:
         lookup = self.lacc / (self.lacc + self.lrej).clamp(min=1e-9)
         match = self.hit / (self.hit + self.miss).clamp(min=1e-9)
         K = len(self.chain) - 1
+        cal = self.cal.at_batch(alphas.shape[0])  # priced at this batch's costs (`Calibration.at_batch`)
         if self.tree is not None:
-            self._choose_tree(run, alphas, lookup, match)
+            self._choose_tree(run, cal, alphas, lookup, match)
             run.stats.row_rounds += alphas.shape[0]
             run.stats.plain_row_rounds += int((self.lowest == K).sum())
             return
@@ -947,7 +948,7 @@ class _AutoPolicy:
             rates = {p[0]: a for p, a in zip(self.pairs, alphas[b].tolist())}
             if self.lookup:
                 rates[self.pairs[0][1]] = float(lookup[b])
-            gs = self.latency.best_gammas(self.names, self.cal, rates, max_gamma=self.max_gamma,
+            gs = self.latency.best_gammas(self.names, cal, rates, max_gamma=self.max_gamma,
                                           ngram_match=float(match[b]), margin=margin)
             self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
             for i in range(K):
@@ -1161,8 +1162,11 @@ def generate(
     policy_cal = auto_tree = None
     if strategy == "auto":
         policy_cal = _calibration(model)
-        levels, auto_tree, _ = _auto_plan(model, policy_cal, gamma=gamma, window=window, ngram=ngram,
-                                          max_new_tokens=max_new_tokens, trees=_auto_trees(do_sample, verification))
+        rows = len(input_ids) if torch.as_tensor(input_ids).dim() == 2 else 1
+        # planned at this batch's costs: a full batch is compute-bound, where fewer extra positions pay
+        levels, auto_tree, _ = _auto_plan(model, policy_cal.at_batch(rows), gamma=gamma, window=window,
+                                          ngram=ngram, max_new_tokens=max_new_tokens,
+                                          trees=_auto_trees(do_sample, verification))
     else:
         levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
                               ngram=ngram)

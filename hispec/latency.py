@@ -99,7 +99,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -327,6 +327,33 @@ class Calibration:
 
     def plain_seconds_per_token(self) -> float:
         return time_per_token([FULL], [], self)
+
+    def at_batch(self, rows: int) -> Calibration:
+        """This calibration as one row of a batch of `rows` rows decoding together sees it: every pass cost measured
+        at T positions becomes the cost of the batch's pass over rows x T positions, shared by its rows
+        (`interp(table, rows * T) / rows`), and the per-pass overhead is shared too; the lookup's cost stays per row
+        (each row looks up its own tokens). The timed passes are one row's, so this reads the batch's pass off the
+        same curve: while rows x T stays in the flat part (the weights' load dominates) a verification of several
+        positions is still nearly free, beyond it (compute-bound) every extra position costs its share, which is why
+        speculation that pays alone can lose in a full batch (attention over each row's own cache scales the same
+        way: rows x T queries over `context` keys). Every formula then prices a row at the batch's marginal costs,
+        and plain decoding at its own (`plain_seconds_per_token()` = the batch's plain step / rows). rows <= 1:
+        this calibration. Memoised per calibration."""
+        rows = int(rows)
+        if rows <= 1:
+            return self
+        memo = self._memo.setdefault("at_batch", {})
+        if rows not in memo:
+            def share(table: dict) -> dict:
+                return {T: interp(table, rows * T) / rows for T in table}
+
+            costs = dict(self.costs)
+            costs["layer"] = share(self.costs["layer"])
+            costs["final"] = share(self.costs["final"])
+            costs["head"] = {k: share(v) for k, v in self.costs.get("head", {}).items()}
+            costs["step_overhead"] = self.step_overhead / rows
+            memo[rows] = replace(self, costs=costs)
+        return memo[rows]
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict:

@@ -215,6 +215,34 @@ def test_best_hierarchy_speculates_when_drafts_are_cheap_and_accepted():
     assert lt.best_gammas(["L2", "L8", "full"], cal, {})[0] >= 1
 
 
+def test_a_batch_prices_every_row_at_its_share_of_the_batch_pass():
+    """`at_batch(B)`: a pass of T positions per row costs what one pass over B x T positions cost when timed, shared
+    by the B rows; the per-pass overhead is shared too, the lookup is per row. Where that pass is compute-bound,
+    speculation that pays for one row stops paying for a full batch, and the best hierarchy becomes plain."""
+    flat_then_linear = {T: 1.0 * max(1.0, T / 4) for T in list(ROWS) + [16, 24, 32]}  # flat up to 4 positions
+    acc = {"L2>L5": 0.7, "L2>full": 0.7, "L5>full": 0.8, "ngram>full": 0.3, "ngram>L2": 0.3, "ngram>L5": 0.3}
+    cal = dataclasses.replace(synthetic(L=30, acceptance=acc, match=0.2), costs={
+        "layer": flat_then_linear, "final": {T: 3 * c for T, c in flat_then_linear.items()},
+        "head": {"L2": {T: 0.1 for T in ROWS}, "L5": {T: 0.1 for T in ROWS}}, "ngram": 0.05, "step_overhead": 0.4})
+    assert cal.at_batch(1) is cal and cal.at_batch(0) is cal
+    b4 = cal.at_batch(4)
+    assert cal.at_batch(4) is b4  # memoised
+    for T in (1, 2, 3, 8, 9):
+        assert b4.layer_cost(T) == pytest.approx(lt.interp(flat_then_linear, 4 * T) / 4)
+        assert b4.head_cost("full", T) == pytest.approx(3 * lt.interp(flat_then_linear, 4 * T) / 4)
+        assert b4.head_cost("L2", T) == pytest.approx(0.1 / 4)
+    assert b4.step_overhead == pytest.approx(0.1) and b4.ngram_cost == pytest.approx(0.05)
+    # plain decoding per row: the batch's one-position step over 4 rows, divided among them
+    assert b4.plain_seconds_per_token() == pytest.approx((30 * 1.0 + 3.0 + 0.4) / 4)
+    assert cal.costs["layer"] is flat_then_linear and cal.layer_cost(2) == 1.0  # the original is untouched
+    alone, full = lt.best_hierarchy(cal), lt.best_hierarchy(cal.at_batch(32))
+    assert alone.levels != ("full",) and alone.speedup_vs_plain > 1.3
+    assert full.levels == ("full",) and full.speedup_vs_plain == pytest.approx(1.0)
+    assert lt.auto_plan(cal.at_batch(32)).seconds_per_token >= cal.at_batch(32).plain_seconds_per_token()
+    speedups = [lt.best_hierarchy(cal.at_batch(B)).speedup_vs_plain for B in (1, 2, 4, 8, 16)]
+    assert speedups == sorted(speedups, reverse=True)  # the fuller the batch, the less speculation buys
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_dynamic_program_equals_brute_force_over_all_stacks_and_gammas(seed):
     rnd = random.Random(seed)
