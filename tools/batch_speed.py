@@ -1,0 +1,160 @@
+"""Decoding speed by batch size: does `auto` stay at or above plain decoding when many rows decode together?
+
+    python tools/batch_speed.py --model CK --batch-sizes 1,4,16 --num-prompts 16 --max-new-tokens 64 --threads 1
+
+`hispec-bench` times one prompt at a time; this times `model.generate` on left-padded batches of Spec-Bench prompts
+(chat template), per batch size, for:
+- `hf`: transformers' own greedy `generate` on the same batch, stock linear kernels (what a user gets);
+- `ar`: hispec's plain loop (prepacked kernels where `hispec.load` packs): the plain-decoding yardstick here;
+- `auto`: the checkpoint's calibrated policy, which prices every row at its batch's pass costs
+  (`Calibration.at_batch`): a compute-bound batch pays for every extra verified position, so speculation that wins
+  alone can lose there, and `auto` then decodes plainly;
+- `auto-batch-blind`: the same policy priced as if every row were alone (the rule before `at_batch`), to show
+  what batch-aware pricing changes.
+Strategies run interleaved per batch (rotated order), so machine drift hits all alike. Every output is compared
+with `ar`'s on the same batch (fp32: identical token for token). Needs a calibrated checkpoint (`hispec-bench
+--model CK --calibrate` or `hispec-export ... --calibrate`). Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STRATEGIES = ("hf", "ar", "auto", "auto-batch-blind")
+
+
+@contextlib.contextmanager
+def batch_blind():
+    """Price rows as if alone (`Calibration.at_batch` as the identity), for the `auto-batch-blind` comparison."""
+    from hispec import latency
+
+    at_batch = latency.Calibration.at_batch
+    latency.Calibration.at_batch = lambda self, rows: self
+    try:
+        yield
+    finally:
+        latency.Calibration.at_batch = at_batch
+
+
+def _until_eos(row: list[int], eos: set[int]) -> list[int]:
+    cut = next((i for i, t in enumerate(row) if t in eos), None)
+    return row if cut is None else row[: cut + 1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="batch_speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a calibrated hispec checkpoint folder")
+    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/eval/spec_bench_question.jsonl"))
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts per batch size (spread over categories)")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad or not strategies:
+        p.error(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+    if not sizes or min(sizes) < 1 or any(args.num_prompts % b for b in sizes):
+        p.error(f"--batch-sizes must be >= 1 and divide --num-prompts ({args.num_prompts}), got {sizes}")
+
+    import torch
+    from tqdm.auto import tqdm
+
+    import hispec
+    from hispec import packed
+    from hispec.bench.env import hardware_info
+    from hispec.prompts import encode_prompts, load_prompts, spread_over_categories
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = hispec.load(args.model, dtype=args.dtype)
+    if not getattr(model.hispec_config, "calibration", None) and any(s.startswith("auto") for s in strategies):
+        p.error(f"{args.model} holds no calibration: run `hispec-bench --model {args.model} --calibrate` first")
+    tok = model.tokenizer
+    texts = [pr.text for pr in spread_over_categories(load_prompts(args.prompts), args.num_prompts)]
+    gen_cfg = model.base.generation_config
+    eos = set(hispec.decoding._as_list(gen_cfg.eos_token_id))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos), 0)
+
+    def run(strategy, ids, mask):
+        t0 = time.perf_counter()
+        if strategy == "hf":
+            with torch.no_grad(), packed.stock():
+                out = model.base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                                          do_sample=False, pad_token_id=pad)
+            rows, stats = [_until_eos(r[ids.shape[1]:].tolist(), eos) for r in out], None
+        else:
+            with batch_blind() if strategy == "auto-batch-blind" else contextlib.nullcontext():
+                out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens,
+                                     strategy="auto" if strategy.startswith("auto") else strategy)
+            rows, stats = [r.tolist() if hasattr(r, "tolist") else list(r) for r in out.new_tokens], out.stats
+        return time.perf_counter() - t0, rows, stats
+
+    with torch.no_grad():  # warm-up: one short batch per strategy
+        ids, mask = encode_prompts(tok, texts[:1])
+        for s in strategies:
+            run(s, ids, mask)
+    results = []
+    bar = tqdm(total=sum(args.num_prompts // b for b in sizes) * len(strategies), desc="batches", file=sys.stderr)
+    for B in sizes:
+        acc = {s: {"seconds": 0.0, "tokens": 0, "identical": 0, "rows": 0, "row_rounds": 0, "plain": 0, "plan": None}
+               for s in strategies}
+        for k, i in enumerate(range(0, args.num_prompts, B)):
+            ids, mask = encode_prompts(tok, texts[i: i + B])
+            order = strategies[k % len(strategies):] + strategies[: k % len(strategies)]
+            outs = {}
+            for s in order:
+                secs, rows, stats = run(s, ids, mask)
+                outs[s] = rows
+                a = acc[s]
+                a["seconds"] += secs
+                a["tokens"] += sum(len(r) for r in rows)
+                if stats is not None:
+                    a["row_rounds"] += stats.row_rounds
+                    a["plain"] += stats.plain_row_rounds
+                    a["plan"] = stats.strategy
+                bar.update()
+            ref = outs.get("ar")
+            for s in strategies:
+                acc[s]["rows"] += len(outs[s])
+                if ref is not None:
+                    acc[s]["identical"] += sum(x == y for x, y in zip(outs[s], ref))
+        for s in strategies:
+            a = acc[s]
+            results.append({"batch_size": B, "strategy": s, "tokens_per_s": a["tokens"] / a["seconds"],
+                            "seconds": a["seconds"], "new_tokens": a["tokens"], "rows": a["rows"],
+                            "identical_to_ar": a["identical"] if "ar" in strategies else None,
+                            "plain_row_share": a["plain"] / a["row_rounds"] if a["row_rounds"] else None,
+                            "plan": a["plan"]})
+    bar.close()
+    by = {(r["batch_size"], r["strategy"]): r for r in results}
+    for r in results:
+        for base in ("ar", "hf"):
+            if (r["batch_size"], base) in by:
+                r[f"vs_{base}"] = r["tokens_per_s"] / by[(r["batch_size"], base)]["tokens_per_s"]
+    print(f"{'batch':>5} {'strategy':<17} {'tok/s':>7} {'vs ar':>6} {'vs hf':>6} {'plain rounds':>12} "
+          f"{'same as ar':>10}  plan")
+    for r in results:
+        share = "-" if r["plain_row_share"] is None else f"{r['plain_row_share']:.0%}"
+        same = "-" if r["identical_to_ar"] is None else f"{r['identical_to_ar']}/{r['rows']}"
+        print(f"{r['batch_size']:>5} {r['strategy']:<17} {r['tokens_per_s']:>7.1f} {r.get('vs_ar', 0):>5.2f}x "
+              f"{r.get('vs_hf', 0):>5.2f}x {share:>12} {same:>10}  {r['plan'] or ''}")
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                      "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
+                      "hardware": hardware_info(), "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
