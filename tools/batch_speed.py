@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-pack", action="store_true", help="stock linear kernels (as the calibration must have been)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = hispec.load(args.model, dtype=args.dtype)
+    model = hispec.load(args.model, dtype=args.dtype, pack=False if args.no_pack else None)
     if not getattr(model.hispec_config, "calibration", None) and any(s.startswith("auto") for s in strategies):
         p.error(f"{args.model} holds no calibration: run `hispec-bench --model {args.model} --calibrate` first")
     tok = model.tokenizer
