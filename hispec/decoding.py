@@ -1159,14 +1159,9 @@ def generate(
     if tree is not None and strategy == "auto":
         raise ValueError("tree drafts need a fixed hierarchy of one draft exit under the full model (e.g. "
                          "strategy='self-spec'), not 'auto'")
-    policy_cal = auto_tree = None
+    policy_cal = auto_tree = levels = None
     if strategy == "auto":
-        policy_cal = _calibration(model)
-        rows = len(input_ids) if torch.as_tensor(input_ids).dim() == 2 else 1
-        # planned at this batch's costs: a full batch is compute-bound, where fewer extra positions pay
-        levels, auto_tree, _ = _auto_plan(model, policy_cal.at_batch(rows), gamma=gamma, window=window,
-                                          ngram=ngram, max_new_tokens=max_new_tokens,
-                                          trees=_auto_trees(do_sample, verification))
+        policy_cal = _calibration(model)  # (planned below, once the batch size is known)
     else:
         levels = build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
                               ngram=ngram)
@@ -1212,6 +1207,11 @@ def generate(
         raise ValueError("streaming supports batch size 1 only")
 
     if policy_cal is not None:
+        # planned at this batch's costs (`Calibration.at_batch`): a full batch is compute-bound, where fewer extra
+        # positions pay
+        levels, auto_tree, _ = _auto_plan(model, policy_cal.at_batch(len(prompts)), gamma=gamma, window=window,
+                                          ngram=ngram, max_new_tokens=max_new_tokens,
+                                          trees=_auto_trees(do_sample, verification))
         policy = _AutoPolicy(levels, policy_cal, len(prompts), dev, tree=auto_tree)
         tree = auto_tree
     run = _Run(
