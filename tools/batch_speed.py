@@ -44,11 +44,6 @@ def batch_blind():
         latency.Calibration.at_batch = at_batch
 
 
-def _until_eos(row: list[int], eos: set[int]) -> list[int]:
-    cut = next((i for i, t in enumerate(row) if t in eos), None)
-    return row if cut is None else row[: cut + 1]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="batch_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a calibrated hispec checkpoint folder")
@@ -75,7 +70,8 @@ def main(argv=None) -> int:
     import hispec
     from hispec import packed
     from hispec.bench.env import hardware_info
-    from hispec.prompts import encode_prompts, load_prompts, spread_over_categories
+    from hispec.bench.runner import _rotated
+    from hispec.prompts import cut_at_eos, encode_prompts, eos_ids, load_prompts, pad_id_of, spread_over_categories
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,9 +80,8 @@ def main(argv=None) -> int:
         p.error(f"{args.model} holds no calibration: run `hispec-bench --model {args.model} --calibrate` first")
     tok = model.tokenizer
     texts = [pr.text for pr in spread_over_categories(load_prompts(args.prompts), args.num_prompts)]
-    gen_cfg = model.base.generation_config
-    eos = set(hispec.decoding._as_list(gen_cfg.eos_token_id))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos), 0)
+    eos = set(eos_ids(generation_config=model.base.generation_config))  # what both decoders stop at
+    pad = pad_id_of(tok)
 
     def run(strategy, ids, mask):
         t0 = time.perf_counter()
@@ -94,7 +89,7 @@ def main(argv=None) -> int:
             with torch.no_grad(), packed.stock():
                 out = model.base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
                                           do_sample=False, pad_token_id=pad)
-            rows, stats = [_until_eos(r[ids.shape[1]:].tolist(), eos) for r in out], None
+            rows, stats = [cut_at_eos(r[ids.shape[1]:].tolist(), eos)[0] for r in out], None
         else:
             with batch_blind() if strategy == "auto-batch-blind" else contextlib.nullcontext():
                 out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens,
@@ -113,7 +108,7 @@ def main(argv=None) -> int:
                for s in strategies}
         for k, i in enumerate(range(0, args.num_prompts, B)):
             ids, mask = encode_prompts(tok, texts[i: i + B])
-            order = strategies[k % len(strategies):] + strategies[: k % len(strategies)]
+            order = _rotated(strategies, k)
             outs = {}
             for s in order:
                 secs, rows, stats = run(s, ids, mask)
