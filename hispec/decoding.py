@@ -109,6 +109,7 @@ class GenerationStats:
     verification: str = "token"  # the sampling acceptance rule ("token" | "hsd"; greedy decoding uses neither)
     plain_row_rounds: int = 0  # auto: rounds in which a row decoded plainly (all its speculation switched off)
     row_rounds: int = 0  # auto: rounds summed over rows
+    guarded_rounds: int = 0  # auto: batch rounds `_PlainGuard` decoded plainly although the rule chose to speculate
 
     @property
     def top(self) -> LevelStats:
@@ -182,6 +183,7 @@ class GenerationStats:
             "accepted_at_target": self.accepted_at_target, "proposed_to_target": self.proposed_to_target,
             "verify_acceptance": self.verify_acceptance, "target_acceptance": self.target_acceptance,
             "plain_row_rounds": self.plain_row_rounds, "row_rounds": self.row_rounds,
+            "guarded_rounds": self.guarded_rounds,
         }
 
 
@@ -290,6 +292,7 @@ class _Run:
         self.stop_check, self.streamer = stop_check, streamer
         self.ngram, self.policy = ngram, policy
         self.verification = verification
+        self.committed_tokens = 0  # new tokens handed over so far, all rows (`_PlainGuard` counts rounds by it)
         self.stats = GenerationStats(levels=[LevelStats(lv.name) for lv in levels], verification=verification)
         dev = self.adapter.device
         B = len(prompts)
@@ -646,6 +649,7 @@ class _Run:
                         finished[b] = True
                 if self.streamer is not None and len(toks) > prev:
                     self.streamer.put(torch.tensor(toks[prev:]))
+                self.committed_tokens += max(len(toks) - prev, 0)
             if not finished[b]:
                 keep.append(b)
         if len(keep) < len(committed):
@@ -707,23 +711,33 @@ class _Run:
         if self.policy is not None:
             self.policy.extend(other.policy)
 
+    def begin_round(self) -> None:
+        """Before a round: the policy (if any) sets every row's gammas; `auto`'s guard may then make the round
+        plain (`_PlainGuard`)."""
+        if self.policy is None:
+            return
+        self.policy.choose(self)
+        guard = getattr(self.policy, "guard", None)
+        if guard is not None:
+            guard.begin(self)
+
+    def end_round(self) -> None:
+        """After a round's last commit: the guard times it."""
+        guard = getattr(self.policy, "guard", None) if self.policy is not None else None
+        if guard is not None:
+            guard.end(self)
+
     def run(self):
         self.prefill()
         alive = self.commit()
         while alive:
-            if self.tree is not None:
-                if self.policy is not None:
-                    self.policy.choose(self)
-                if self.policy is not None and not bool((self.gam[0] > 0).any()):
-                    self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))  # every row plain
-                else:
-                    tree_round(self, self.tree)
-                alive = self.commit()
-                continue
-            if self.policy is not None:
-                self.policy.choose(self)
-            self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))
+            self.begin_round()
+            if self.tree is not None and (self.policy is None or bool((self.gam[0] > 0).any())):
+                tree_round(self, self.tree)
+            else:  # a chain round (with trees: every row plain this round)
+                self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))
             alive = self.commit()
+            self.end_round()
         self.stats.new_tokens = sum(len(t) for t in self.results.values())
         return self.results
 
@@ -787,6 +801,7 @@ class _AutoPolicy:
         self.khit = torch.tensor([[self.PRIOR * float(r[min(k, len(r)) - 1]) for k in self.kwidths]] * B,
                                  dtype=torch.float64).reshape(B, len(self.kwidths))
         self.kseen = torch.full((B,), self.PRIOR, dtype=torch.float64)
+        self.guard = _PlainGuard()  # measured floor: the batch decodes plainly where its speculation loses
 
     ROW_STATE = ("acc", "rej", "lacc", "lrej", "hit", "miss", "lowest", "khit", "kseen")
 
@@ -957,7 +972,7 @@ class _AutoPolicy:
         run.stats.row_rounds += alphas.shape[0]
         run.stats.plain_row_rounds += int((self.lowest == K).sum())
 
-    def extend(self, other: "_AutoPolicy"):
+    def extend(self, other: "_AutoPolicy"):  # (the guard's timings stay: they are per token, not per row)
         for name in self.ROW_STATE:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
@@ -965,6 +980,92 @@ class _AutoPolicy:
         idx = idx.cpu()
         for name in self.ROW_STATE:
             setattr(self, name, getattr(self, name).index_select(0, idx))
+
+
+class _PlainGuard:
+    """`auto`'s measured floor: a batch does not keep speculating where its own speculative rounds, timed, cost more
+    wall time per committed token than its own plain rounds.
+
+    The rule above prices rounds with the calibration's single-row pass costs (scaled by `Calibration.at_batch`);
+    that holds for one row but not for every batch: a verification pass spans the widest row's proposal for every
+    row, and its attention runs over each row's own cache, so on a CPU a batch of 16 can pay several times the
+    predicted cost for the positions one speculating row adds (tools/batch_speed.py measured auto at 0.77x of plain
+    rows at batch 16 with the rule alone). The guard does not model that; it measures it. Two arms, per run:
+    `spec` (the rule's choice, whenever it speculates for any row) and `plain` (every row one token, which is `ar`).
+    Each round's wall time from `begin` (after the rule chose) to `end` (after its last commit) and the tokens it
+    committed go to the arm it ran, as decayed sums (a round's weight decays by DECAY per round since, so an arm
+    measured long ago, at a shorter cache or another batch, counts little once re-measured); an arm's cost is
+    seconds / tokens. While both arms are measured the round runs the cheaper one, except that the other is measured
+    again (one round) once EXPLORE times its last round's seconds have gone to the cheaper one; while `plain` is not
+    yet measured, the round after WARM speculative rounds is plain. So exploring takes at most ~1/EXPLORE of the
+    time, and a user ends up near plain decoding's speed where speculation loses (the warm-up's WARM rounds aside),
+    whatever the calibration predicted.
+
+    Only which rows speculate changes (a plain round is the rule's own all-plain choice), never how tokens are
+    verified: output is unchanged. `clock` is replaceable (tests use a cost model instead of wall time)."""
+
+    DECAY = 0.9  # per round since an arm's last measurement
+    EXPLORE = 16  # the arm not in use is measured again once EXPLORE of its rounds' time went to the other
+    WARM = 2  # speculative rounds before the first plain measurement
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        self.sec = {"spec": 0.0, "plain": 0.0}
+        self.tok = {"spec": 0.0, "plain": 0.0}
+        self.last = {"spec": None, "plain": None}  # per arm: (round, elapsed seconds) of its last measurement
+        self.round_sec = {"spec": 0.0, "plain": 0.0}  # per arm: its last round's seconds
+        self.spec_rounds = 0
+        self.round = 0
+        self.elapsed = 0.0  # seconds of every measured round
+        self._open = None  # (arm, start time, committed tokens at the start)
+
+    def cost(self, arm: str) -> float | None:
+        """Measured seconds per committed token of `arm` (None: not measured yet)."""
+        return self.sec[arm] / self.tok[arm] if self.tok[arm] > 0 else None
+
+    def _arm(self, speculating: bool) -> str:
+        if not speculating:
+            return "plain"
+        spec, plain = self.cost("spec"), self.cost("plain")
+        if plain is None:
+            return "plain" if self.spec_rounds >= self.WARM else "spec"
+        if spec is None:
+            return "spec"
+        best, other = ("spec", "plain") if spec <= plain else ("plain", "spec")
+        # exploring costs at most one round of the other arm per EXPLORE such rounds' time: <= 1/EXPLORE of the time
+        due = self.elapsed - self.last[other][1] >= self.EXPLORE * self.round_sec[other]
+        return other if due else best
+
+    def begin(self, run) -> None:
+        speculating = any(bool((g > 0).any()) for g in run.gam)
+        arm = self._arm(speculating)
+        if speculating and arm == "plain":
+            rows = len(run.seq)
+            was_plain = int((torch.stack([g.cpu() for g in run.gam]) == 0).all(0).sum()) if run.gam else rows
+            run.gam = [torch.zeros_like(g) for g in run.gam]
+            run.stats.plain_row_rounds += rows - was_plain
+            run.stats.guarded_rounds += 1
+        self._open = (arm, self.clock(), run.committed_tokens)
+
+    def end(self, run) -> None:
+        if self._open is None:
+            return
+        arm, t0, n0 = self._open
+        self._open = None
+        seconds, tokens = self.clock() - t0, run.committed_tokens - n0
+        if tokens <= 0:
+            return
+        if self.last[arm] is not None:
+            w = self.DECAY ** (self.round - self.last[arm][0])
+            self.sec[arm] *= w
+            self.tok[arm] *= w
+        self.sec[arm] += seconds
+        self.tok[arm] += tokens
+        self.elapsed += seconds
+        self.round_sec[arm] = seconds
+        self.last[arm] = (self.round, self.elapsed)
+        self.spec_rounds += arm == "spec"
+        self.round += 1
 
 
 def _as_list(x) -> list[int]:

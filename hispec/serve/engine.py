@@ -277,10 +277,10 @@ class Engine:
                     group.extend(run)
         for key, run in list(self.groups.items()):
             worked = True
-            if run.policy is not None:
-                run.policy.choose(run)
+            run.begin_round()
             run.run_level(run.K, torch.ones_like(run.seq, dtype=torch.bool))
             run.commit()
+            run.end_round()
             self._emit(run)
             if not len(run.seq):
                 self._fold(run)
