@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# speculators (the vLLM/SGLang drafter format) without its torchvision/torchaudio/transformers pins: pyproject.toml
+	$(BIN)/python -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -617,13 +617,16 @@ class DecoderAdapter:
         cache: KVCache,
         valid: torch.Tensor | None = None,
         allow: torch.Tensor | None = None,
+        capture: dict | None = None,
     ) -> torch.Tensor:
         """Run decoder layers `[start, end)` over `hidden` `[B, T, H]`, appending T slots to their cache.
 
         `position_ids` `[B, T]` are absolute; `valid` `[B, T]` (default all True) marks real tokens — invalid
         ones (padding, or a row with fewer new tokens) are written as masked slots and their outputs are junk.
         `allow` `[B or 1, T, S + T]` (S: the slots already cached) further restricts what each query may attend
-        to (tree drafts: a node sees only its ancestors among the tree's slots).
+        to (tree drafts: a node sees only its ancestors among the tree's slots). `capture`: a dict whose keys are
+        layer ids i in [start, end]; each gets the residual stream after i layers (an EAGLE-3 drafter's aux
+        states), at no extra cost.
         """
         if not 0 <= start < end <= self.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is out of range for a {self.num_layers}-layer model")
@@ -633,8 +636,12 @@ class DecoderAdapter:
         types = set(self.layer_types[start:end])
         kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types, allow)
         for i in range(start, end):
+            if capture is not None and i in capture:
+                capture[i] = hidden
             hidden = self._call_layer(self.parts.layers[i], self.layer_types[i], hidden, position_ids, cache, masks,
                                       rotary)
+        if capture is not None and end in capture:
+            capture[end] = hidden
         cache.set_slot_meta(start, end, kv_valid, kv_pos)
         return hidden
 

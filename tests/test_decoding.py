@@ -9,7 +9,8 @@ import torch
 from tiny import FAMILIES, tiny_model
 
 import hispec
-from hispec import decoding, sampling
+from hispec import sampling
+from hispec.decoding import rounds
 
 # every hierarchy shape: plain, one exit, two exits, n-gram alone / under one / two exits, an exit skipped, the
 # lookup-first exit (`ngram|EXIT`) under the full model and under a verifier
@@ -411,7 +412,7 @@ def test_the_distribution_test_rejects_a_wrong_acceptance_rule(monkeypatch, stra
         a = m.clone()
         return a, sampling.sample(p_rows[torch.arange(len(m)), a], generator)
 
-    monkeypatch.setattr(decoding, "speculative_accept", always_accept)
+    monkeypatch.setattr(rounds, "speculative_accept", always_accept)
     samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
     assert _chi2_pvalue(samples, outcomes, probs) < 1e-6
 
@@ -426,8 +427,8 @@ def test_the_distribution_test_rejects_a_wrong_rule_under_hsd(monkeypatch, strat
     def always_accept(cands, m, q_rows, p_rows, generator=None):
         return m.clone(), sampling.sample(p_rows[torch.arange(len(m)), m], generator)
 
-    monkeypatch.setattr(decoding, "hsd_accept", always_accept)
-    monkeypatch.setattr(decoding, "speculative_accept", None)  # and nothing falls back to the token-wise rule
+    monkeypatch.setattr(rounds, "hsd_accept", always_accept)
+    monkeypatch.setattr(rounds, "speculative_accept", None)  # and nothing falls back to the token-wise rule
     samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11, verification="hsd")
     pvalue = _chi2_pvalue(samples, outcomes, probs)
     print(f"{strategy} hsd, always-accept: chi-square p = {pvalue:.3g}")

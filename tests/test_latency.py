@@ -391,12 +391,13 @@ def test_decoding_runs_the_ngram_config_the_calibration_chose(tiny, monkeypatch)
     """An explicit config wins, then the checkpoint's `decoding.ngram`, then the calibration's, then defaults;
     `generate` proposes with it."""
     from hispec import decoding
+    from hispec.decoding import rounds
 
     model, cal = tiny
     chosen = {"max_ngram": 3, "min_ngram": 2, "max_len": 4}
     seen = []
-    propose = decoding.propose_batch
-    monkeypatch.setattr(decoding, "propose_batch", lambda *a: seen.append(a[-1]) or propose(*a))
+    propose = rounds.propose_batch
+    monkeypatch.setattr(rounds, "propose_batch", lambda *a: seen.append(a[-1]) or propose(*a))
     old = model.hispec_config.calibration
     try:
         model.hispec_config.calibration = None

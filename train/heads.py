@@ -79,7 +79,12 @@ def main(argv=None) -> int:
     data = trainer.build_data(state, model, tokenizer, rows, m, d, g, t)
     if t.data_only:
         return trainer.data_only_summary(state, data)
-    run = trainer.Trainer(model, data, m, d, g, t, accelerate_kwargs, resume_dir)
+    if m.head_type == "eagle3":  # an EAGLE-3 drafter instead of exit heads (hispec/distill/drafter_trainer.py)
+        from hispec.distill.drafter_trainer import DrafterTrainer
+
+        run = DrafterTrainer(model, data, m, d, g, t, accelerate_kwargs, resume_dir)
+    else:
+        run = trainer.Trainer(model, data, m, d, g, t, accelerate_kwargs, resume_dir)
 
     run.loop()  # ---- loop (resumed from the checkpoint, if any)
     run.save()  # ---- save: final evaluation, heads, hispec_train.json, metrics.json

@@ -3,6 +3,10 @@
     hispec-export runs/smollm2 --output-dir exports/smollm2-hispec
     hispec-export runs/smollm2 --output-dir exports/smollm2-hispec --push-to-hub me/SmolLM2-135M-hispec --private
     hispec-export runs/smollm2 --output-dir exports/smollm2-hispec --calibrate --calibration-num-prompts 8
+    hispec-export runs/smollm2-eagle3 --format speculators --output-dir exports/smollm2-eagle3
+
+`--format speculators` writes an EAGLE-3 drafter run (train/heads.py --head_type eagle3) as a `speculators` folder
+that vLLM and SGLang serve as it is (hispec.speculators_export; needs `pip install 'hispec[speculators]'`).
 
 The folder is written atomically (temporary sibling, one rename); an existing one is refused unless --overwrite.
 With --calibrate the finished checkpoint is loaded and the latency model calibrated on this machine (hispec.latency:
@@ -42,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder of train/heads.py (hispec_train.json, hispec_heads.safetensors, metrics.json)")
     p.add_argument("--output-dir", required=True, help="checkpoint folder to write (must not exist, see --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir (atomically)")
+    p.add_argument("--format", choices=("hispec", "speculators"), default="hispec",
+                   help="hispec: base + exit heads in one checkpoint (default); speculators: an EAGLE-3 drafter run "
+                        "as a speculators folder for vLLM / SGLang (--base names the verifier it records)")
+    p.add_argument("--drafter", default=None, metavar="DRAFTER_RUN",
+                   help="also put an EAGLE-3 drafter run (train/heads.py --head_type eagle3, same base) into the "
+                        "checkpoint: it then decodes with strategy eagle / eagle-lookup too")
+    p.add_argument("--speculative-tokens", type=int, default=3, metavar="N",
+                   help="with --format speculators: drafts per round recorded in its proposal config (default 3)")
     p.add_argument("--base", default=None,
                    help="base model to use instead of the one the run recorded: a local folder, a Hub id or a .gguf "
                    "file; it must match the heads (depth, hidden size, vocabulary, architecture)")
@@ -108,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{', '.join(used)} only make sense with --push-to-hub REPO_ID")
 
     from .. import export as ex  # heavy imports (torch, transformers) only once arguments are valid
+    from ..eagle3 import is_drafter_run
     from ..model import CheckpointError
 
     def fail(msg: str) -> int:
@@ -117,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.push_to_hub and not args.dry_run and ex.hub_token() is None:
         return fail("--push-to-hub needs a Hugging Face token: set $HF_TOKEN or run `hf auth login` "
                     "(nothing was exported)")
+    if args.format == "speculators":
+        return _export_speculators(args, parser, ex, fail)
+    if is_drafter_run(args.train_output_dir):
+        return fail(f"{args.train_output_dir} holds an EAGLE-3 drafter, not exit heads: export it with --format "
+                    "speculators (vLLM / SGLang serve that folder)")
     prompts = None
     if args.calibrate:
         from ..prompts import load_prompts
@@ -146,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             window=args.window, verification=args.verification, calibration_prompts=prompts,
             calibration_max_new_tokens=args.calibration_max_new_tokens,
             calibration_dtype=None if args.calibration_dtype == "auto" else args.calibration_dtype, progress=True,
+            drafter=args.drafter,
         )
     except (CheckpointError, ex.ExportError, FileExistsError, ValueError, OSError) as e:
         return fail(str(e))
@@ -180,6 +199,46 @@ def main(argv: list[str] | None = None) -> int:
                     result.output_dir, args.push_to_hub, private=args.private or None, revision=args.revision,
                     create_pr=args.create_pr, commit_message=args.commit_message,
                 )
+            except ex.HubPushError as e:
+                return fail(str(e))
+    print(json.dumps(summary))
+    return 0
+
+
+def _export_speculators(args, parser, ex, fail) -> int:
+    """`--format speculators`: only the flags that apply to a drafter folder."""
+    hispec_only = [f for f, v in (("--heads-only", args.heads_only), ("--calibrate", args.calibrate),
+                                  ("--drafter", args.drafter is not None),
+                                  ("--draft-vocab-size", args.draft_vocab_size is not None),
+                                  ("--verify-vocab-size", args.verify_vocab_size is not None),
+                                  ("--vocab-data", bool(args.vocab_data)), ("--gamma", args.gamma is not None),
+                                  ("--window", args.window is not None),
+                                  ("--verification", args.verification is not None)) if v]
+    if hispec_only:
+        parser.error(f"{', '.join(hispec_only)} only apply to hispec checkpoints, not to --format speculators")
+    from ..io import parse_dtype
+    from ..speculators_export import SpeculatorsExportError, export_speculators
+
+    try:
+        out = export_speculators(args.train_output_dir, args.output_dir, verifier=args.base,
+                                 revision=args.base_revision,
+                                 dtype=None if args.dtype == "auto" else parse_dtype(args.dtype),
+                                 speculative_tokens=args.speculative_tokens, overwrite=args.overwrite)
+    except (SpeculatorsExportError, FileExistsError, FileNotFoundError, ValueError, OSError) as e:
+        return fail(str(e))
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    summary = {"output_dir": str(out), "format": "speculators", "files": len(files),
+               "bytes": sum(p.stat().st_size for p in files), "hub": None}
+    if args.push_to_hub:
+        summary["hub"] = {"repo_id": args.push_to_hub, "revision": args.revision, "dry_run": args.dry_run,
+                          "url": None}
+        if args.dry_run:
+            print(f"dry run: would upload {len(files)} files to {args.push_to_hub}; nothing was uploaded")
+        else:
+            try:
+                summary["hub"]["url"] = ex.push_to_hub(out, args.push_to_hub, private=args.private or None,
+                                                       revision=args.revision, create_pr=args.create_pr,
+                                                       commit_message=args.commit_message)
             except ex.HubPushError as e:
                 return fail(str(e))
     print(json.dumps(summary))

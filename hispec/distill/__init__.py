@@ -15,6 +15,8 @@ each job.
 - `losses`: forward KL / top-k + bucket KL, chunked over tokens, and agreement counts;
 - `metrics`: agreement with the final layer, tokens per round (i.i.d. and measured), checkpoint heads' predictions;
 - `training`: the LR schedule and optimizer step, context-head distances, the accelerate evaluation, `fit_head`;
+- `run_cache`: a training run's feature cache (the layers it stores and reads, the check before loading, the
+  build over processes);
 - `trainer`: `train/heads.py`'s checks, model and data building, loop, checkpoints and outputs.
 
 Shipped with the package; `pip install hispec[train]` adds what training needs (accelerate, datasets, peft).

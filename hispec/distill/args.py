@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer", "context")
+TRAINABLE_HEADS = ("norm", "linear", "lowrank", "layer", "context", "eagle3")
 EVAL_DISTANCES = (1, 2, 3, 4)  # frontier distances at which context heads are evaluated (metrics.json)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -113,6 +113,17 @@ class ModelArguments:
         default=False, metadata={"help": "'context' heads: the draft head also reads the verifier exit's states of "
                                          "positions the verifier passed (hispec's draft > verify > full)."}
     )
+    eagle3_aux_layers: list[int] = field(
+        default_factory=list,
+        metadata={"help": "'eagle3' drafter: target layer ids whose residual streams it reads (id i = after i "
+                          "layers; default 2, depth/2, depth-3 as speculators/vLLM)."})
+    eagle3_ttt_steps: int = field(
+        default=3, metadata={"help": "'eagle3' drafter: draft steps unrolled per position in training (>= 1)."})
+    eagle3_step_decay: float = field(
+        default=1.0, metadata={"help": "'eagle3' drafter: loss weight of draft step s is decay**s."})
+    eagle3_draft_vocab_size: int = field(
+        default=8192, metadata={"help": "'eagle3' drafter: draft vocabulary (the teacher's most frequent tokens in "
+                                        "the training cache); 0 = the full vocabulary."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
 
 

@@ -8,7 +8,7 @@ on these pieces; what each step does is described there (and in design.md ยง4, ย
 - `load_model(m, d, t, state)`: exits, tokenizer, data rows, the frozen base (a LoRA adapter merged) with fresh
   heads, the checkpoint to resume -- everything that can fail does so before any training;
 - `build_data(...)`: self-written prompts, self-distilled answers, plain text, tokenization, the feature cache
-  (`Data`; `data_only_summary` for `data_only: true`);
+  (`hispec.distill.run_cache`) -> `Data` (`data_only_summary` for `data_only: true`);
 - `Trainer(model, data, ...)`: heads, optimizer and loaders through `accelerate.prepare`; `loop()` trains (after
   resuming a checkpoint: same data order, step and distance draws as an uninterrupted run), evaluating every
   `eval_steps` and checkpointing every `checkpointing_steps` (a temporary folder, then renamed); `save()` runs the
@@ -39,26 +39,26 @@ from transformers import AutoConfig
 
 from hispec import io as hio  # hio.matmul_speed_ratio looked up per call: tests replace it
 from hispec.distill import data as tdata
-from hispec.distill.answers import generate_responses, generation_dtype, prompts_from, read_responses
+from hispec.distill.answers import generate_responses, prompts_from, read_responses
 from hispec.distill.args import (
     LR_SCHEDULES, TRAINABLE_HEADS, ConfigError, DataArguments, GenerationArguments, ModelArguments, TrainArguments,
 )
+from hispec.distill.drafter import drafter_aux_layers, validate_drafter_args
 from hispec.distill.data import LOSS_ON, DataError, builder_for, check_training_files, expand_path
-from hispec.distill.features import (
-    CachedCollator, CachedSequences, FeatureCacheError, build_feature_cache, check_cache_layers, model_identity,
-    write_manifest,
-)
+from hispec.distill.features import CachedCollator
+from hispec.distill.run_cache import check_feature_cache, prepare_feature_cache
 from hispec.distill.self_prompts import SelfPromptError, ensure_self_prompts, validate_args
 from hispec.distill.training import (
     HeadsForTraining, _distance_seed, _loss_fn, context_ranges, context_settings, distance_sampler, evaluate,
     format_agreement, lr_at, take_step,
 )
-from hispec.export import METRICS_FILE, TRAIN_FILE
+from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
 from hispec.heads import HEAD_TYPES
 from hispec.io import DTYPES, atomic_write, parse_dtype, write_json
 from hispec.layers import DecoderAdapter
 from hispec.model import (
-    EXITS, HEADS_FILE, EarlyExitModel, default_exits, load_base_model, load_tokenizer, validate_exits,
+    EXITS, HEADS_FILE, METRICS_FILE, TRAIN_FILE, EarlyExitModel, default_exits, load_base_model, load_tokenizer,
+    validate_exits,
 )
 from hispec.vocab import vocab_for_model
 from hispec.prompts import pad_id_of
@@ -128,7 +128,7 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
     """Checks that need no model: raise ConfigError with what to change."""
     if not m.model_name_or_path:
         raise ConfigError("model_name_or_path is required (a Hub id, a local folder or a .gguf file)")
-    if m.head_type not in HEAD_TYPES:
+    if m.head_type not in HEAD_TYPES and m.head_type not in TRAINABLE_HEADS:
         raise ConfigError(f"unknown head type '{m.head_type}'; choose one of {', '.join(TRAINABLE_HEADS)}")
     if m.head_type not in TRAINABLE_HEADS:
         raise ConfigError(
@@ -137,6 +137,7 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
     if m.head_lora_rank < 0 or (m.head_lora_rank and m.head_type != "layer"):
         raise ConfigError(f"head_lora_rank {m.head_lora_rank}: LoRA applies to 'layer' heads only (>= 1; 0 = off)")
     context_ranges(m, t)  # context head settings and distance ranges (ConfigError when unusable)
+    validate_drafter_args(m, d, t)
     if t.train_vocab_size < 0:
         raise ConfigError(f"train_vocab_size must be >= 0 (0 = the full vocabulary), got {t.train_vocab_size}")
     if t.train_vocab_size and not d.feature_cache:
@@ -209,14 +210,14 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
     if t.max_steps <= 0 and t.num_train_epochs < 1:
         raise ConfigError("set max_steps > 0 or num_train_epochs >= 1")
     out = Path(os.path.expanduser(t.output_dir))
-    has_run = (out / HEADS_FILE).exists() or (out / CHECKPOINTS).is_dir()
+    has_run = (out / HEADS_FILE).exists() or (out / DRAFTER_FILE).exists() or (out / CHECKPOINTS).is_dir()
     if has_run and not t.overwrite_output_dir and not t.resume_from_checkpoint:
         raise ConfigError(
             f"output_dir {out} already holds a run; pass --resume_from_checkpoint latest to continue it or "
             "--overwrite_output_dir true to start afresh"
         )
     ckpt = find_checkpoint(out, t.resume_from_checkpoint)  # a named checkpoint must exist
-    if (out / HEADS_FILE).exists() and ckpt is None and not t.overwrite_output_dir:
+    if ((out / HEADS_FILE).exists() or (out / DRAFTER_FILE).exists()) and ckpt is None and not t.overwrite_output_dir:
         raise ConfigError(
             f"output_dir {out} holds a finished run and no checkpoint to resume from; pass "
             "--overwrite_output_dir true to train again"
@@ -259,9 +260,12 @@ def load_base(m: ModelArguments):
 
 
 def wrap_model(base, m: ModelArguments, draft: int, verify: int, gamma: int, window: int):
-    """EarlyExitModel with fresh heads; the base identity records the name given and any merged adapter."""
+    """EarlyExitModel with fresh heads; the base identity records the name given and any merged adapter. An
+    `eagle3` run carries its frozen base the same way, with weightless `shared` exits (the data path is the same;
+    `hispec.distill.drafter_trainer` builds the drafter)."""
     ctx = ({"context": context_settings(m), "context_mid": m.context_mid} if m.head_type == "context" else {})
-    model = EarlyExitModel.from_base(base, draft, verify, m.head_type, head_rank=m.head_rank, gamma=gamma,
+    head_type = "shared" if m.head_type == "eagle3" else m.head_type
+    model = EarlyExitModel.from_base(base, draft, verify, head_type, head_rank=m.head_rank, gamma=gamma,
                                      window=window, revision=m.revision, **ctx)
     model.hispec_config.base["name_or_path"] = m.model_name_or_path
     if m.adapter_name_or_path:
@@ -285,81 +289,6 @@ def add_layer_lora(model, rank: int, alpha: float) -> None:
     LoraModel(model.heads, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets), "default")
     for n, p in model.heads.named_parameters():
         p.requires_grad_("lora_" in n or ".layer." not in f".{n}.")
-
-
-def _build_split(state, adapter, ds, folder, kwargs, extra, t0):
-    """One cache folder: built by this process alone, or shard-wise by all processes and finished by the main."""
-    if state.num_processes == 1:
-        build_feature_cache(adapter, ds, folder, show_progress=state.is_local_main_process, **kwargs)
-        return
-    with state.main_process_first():  # the main process checks the folder and writes the plan first
-        build_feature_cache(adapter, ds, folder, rank=state.process_index, world_size=state.num_processes,
-                            plan_only=True, **kwargs)
-    build_feature_cache(adapter, ds, folder, rank=state.process_index, world_size=state.num_processes,
-                        show_progress=state.is_local_main_process, **kwargs)
-    state.wait_for_everyone()
-    if state.is_main_process and not (folder / "manifest.json").is_file():
-        write_manifest(folder, extra=extra, build_seconds=time.time() - t0)
-    state.wait_for_everyone()
-
-
-def cache_layers(exits, num_layers: int, m: ModelArguments, d: DataArguments) -> tuple[list[int], list[int]]:
-    """(layers the feature cache stores, layers this run reads): the exits, plus the final layer's raw residual
-    for context heads (read) or with `feature_cache_final_states` (stored for later context runs)."""
-    read = sorted({*exits, *([num_layers] if m.head_type == "context" else [])})
-    store = sorted({*read, *([num_layers] if d.feature_cache_final_states else [])})
-    return store, read
-
-
-def check_feature_cache(m: ModelArguments, d: DataArguments, exits, num_layers: int) -> None:
-    """Before any work: a feature cache folder that exists but lacks layers this run reads is a ConfigError naming
-    what is missing and how to rebuild (a context run on a cache built for linear heads, mostly)."""
-    if not d.feature_cache:
-        return
-    _, read = cache_layers(exits, num_layers, m, d)
-    need = (f"context heads read the final layer's raw residual, layer {num_layers}, for verified positions"
-            if m.head_type == "context" else "the exit heads' layers")
-    root = Path(expand_path(d.feature_cache))
-    for split in ("train", "eval"):
-        try:
-            check_cache_layers(root / split, read, need)
-        except FeatureCacheError as e:
-            raise ConfigError(str(e)) from e
-
-
-def _prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, eval_ds, pad_id):
-    """Build (or resume / reuse) DIR/train and DIR/eval, then -> (train, eval CachedSequences, info for the run)."""
-    root = Path(expand_path(d.feature_cache)).absolute()
-    with generation_dtype(model.base, d.feature_cache_backbone_dtype):  # the identity records the dtype used
-        identity = model_identity(model.base, m.model_name_or_path)
-    # Recorded for people, not compared: the sequences' fingerprint decides whether a cache fits.
-    extra = {"data": {k: v for k, v in asdict(d).items() if not k.startswith("feature_cache")},
-             "generation": asdict(g), "seed": t.seed}
-    store, read = cache_layers(exits, adapter.num_layers, m, d)
-    out = {}
-    for split, ds in (("train", train_ds), ("eval", eval_ds)):
-        if ds is None or len(ds) == 0:
-            continue
-        folder = root / split
-        kwargs = dict(layers=store, k=d.feature_cache_k, identity=identity, hidden_dtype=d.feature_cache_dtype,
-                      shard_tokens=d.feature_cache_shard_tokens, batch_tokens=d.feature_cache_batch_tokens,
-                      pad_id=pad_id, extra=extra)
-        t0 = time.time()
-        try:
-            with generation_dtype(model.base, d.feature_cache_backbone_dtype):
-                _build_split(state, adapter, ds, folder, kwargs, extra, t0)
-            out[split] = CachedSequences(folder, layers=read)
-        except FeatureCacheError as e:
-            raise ConfigError(str(e)) from e
-        man = out[split].manifest
-        logger.info("feature cache %s: %d sequences, %d tokens (%d in the loss), layers %s, k=%d (%.1fs)", folder,
-                    man["num_sequences"], man["num_tokens"], man["num_loss_tokens"], man["layers"], man["k"],
-                    time.time() - t0)
-    info = {"dir": str(root), "k": d.feature_cache_k, "hidden_dtype": d.feature_cache_dtype,
-            "backbone_dtype": identity["dtype"],
-            **{f"{s}_tokens": c.manifest["num_tokens"] for s, c in out.items()},
-            **{f"{s}_loss_tokens": c.manifest["num_loss_tokens"] for s, c in out.items()}}
-    return out["train"], out.get("eval"), info
 
 
 # ---------------------------------------------------------------------------------------------------- build
@@ -419,7 +348,8 @@ def load_model(m: ModelArguments, d: DataArguments, t: TrainArguments, state):
             raise ConfigError(str(e)) from e
     resume_dir = find_checkpoint(output_dir, t.resume_from_checkpoint)
     if state.is_main_process and t.overwrite_output_dir and not resume_dir:
-        for p in (output_dir / CHECKPOINTS, output_dir / HEADS_FILE, output_dir / METRICS_FILE):
+        for p in (output_dir / CHECKPOINTS, output_dir / HEADS_FILE, output_dir / METRICS_FILE,
+                  output_dir / DRAFTER_FILE, output_dir / DRAFTER_CONFIG):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     state.wait_for_everyone()
 
@@ -433,8 +363,9 @@ def load_model(m: ModelArguments, d: DataArguments, t: TrainArguments, state):
     model = wrap_model(base, m, draft, verify, t.gamma, t.window)
     model.tokenizer = tokenizer  # train_vocab_size counts the self-distilled answers with it
     model.base.to(state.device)
-    logger.info("loaded %s (%d layers) in %.1fs; exits draft=%d verify=%d, head=%s", m.model_name_or_path,
-                n_layers, time.time() - t0, draft, verify, m.head_type)
+    what = (f"eagle3 drafter reading layers {drafter_aux_layers(m, n_layers)}" if m.head_type == "eagle3"
+            else f"exits draft={draft} verify={verify}, head={m.head_type}")
+    logger.info("loaded %s (%d layers) in %.1fs; %s", m.model_name_or_path, n_layers, time.time() - t0, what)
     return model, tokenizer, rows, resume_dir
 
 
@@ -523,8 +454,8 @@ def build_data(state, model, tokenizer, rows: Rows, m: ModelArguments, d: DataAr
     if not d.feature_cache:
         return Data(train_ds, eval_ds, tdata.PadCollator(pad_id_of(tokenizer)), False, None, sources)
     exits = (model.draft_layer, model.verify_layer)
-    train_ds, eval_ds, info = _prepare_feature_cache(state, model, model.adapter, exits, m, d, g, t, train_ds,
-                                                     eval_ds, pad_id_of(tokenizer))
+    train_ds, eval_ds, info = prepare_feature_cache(state, model, model.adapter, exits, m, d, g, t, train_ds,
+                                                    eval_ds, pad_id_of(tokenizer))
     return Data(train_ds, eval_ds, CachedCollator(), True, info, sources)
 
 
@@ -593,6 +524,7 @@ class Trainer:
                          "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                          "world_size": acc.num_processes, "sources": data.sources, "feature_cache": data.cache_info}
         self.config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
+        self.loss_fn = None
         if report_to:
             acc.init_trackers("hispec-heads", config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                                                       for k, v in self.config_dump.items()})
@@ -652,13 +584,33 @@ class Trainer:
                     shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
 
+    progress_name = "training heads"
+
+    def step_loss(self, batch, micro: int):
+        """One micro-batch -> (loss, stats to log); context heads draw fresh frontier distances per position and
+        step, as decoding produces them (seeded by step, micro-batch and process: resume is exact)."""
+        dist = None
+        if self.ranges:
+            gen = torch.Generator().manual_seed(_distance_seed(self.t.seed, self.completed, micro,
+                                                               self.accelerator.process_index))
+            dist = distance_sampler(self.ranges, gen)
+        if self.loss_fn is None:
+            self.loss_fn = _loss_fn(self.adapter, self.exits, self.t, self.param_dtype, self.data.cached)
+        out, _, _ = self.loss_fn(batch, self.heads, dist=dist)
+        return out.loss, {"loss": out.loss.item(), **{f"kl/{k}": v.item() for k, v in out.kl.items()},
+                          **{f"agreement/{k}": v.item() for k, v in out.agree.items()}}
+
+    @staticmethod
+    def postfix(logs: dict) -> dict:
+        return {"loss": f"{logs['loss']:.3f}", "d": f"{logs['agreement/draft']:.2f}",
+                "v": f"{logs['agreement/verify']:.2f}"}
+
     def loop(self) -> None:
         """Train to `total_steps` (from the resumed step: the same batches, learning rates and distance draws)."""
         t, acc = self.t, self.accelerator
         if self.completed == 0 and t.eval_at_start:
             self.evaluate(0)
-        loss_fn = _loss_fn(self.adapter, self.exits, t, self.param_dtype, self.data.cached)
-        bar = tqdm(total=self.total_steps, initial=self.completed, desc="training heads",
+        bar = tqdm(total=self.total_steps, initial=self.completed, desc=self.progress_name,
                    disable=not acc.is_local_main_process)
         self.heads.train()
         window, window_n, micro = {}, 0, 0  # micro: micro-batch within the step (seeds context distance draws)
@@ -672,19 +624,12 @@ class Trainer:
             if skip > 0:
                 loader.set_epoch(epoch)
             for batch in loader:
-                dist = None
-                if self.ranges:  # fresh frontier distances per position and step, as decoding produces them
-                    gen = torch.Generator().manual_seed(_distance_seed(t.seed, self.completed, micro,
-                                                                       acc.process_index))
-                    dist = distance_sampler(self.ranges, gen)
                 with acc.accumulate(self.heads):
-                    out, _, _ = loss_fn(batch, self.heads, dist=dist)
+                    loss, stats = self.step_loss(batch, micro)
                     clip = t.max_grad_norm > 0 and acc.sync_gradients
-                    take_step(self.optimizer, out.loss, lr_at(self.completed, self.total_steps, t),
+                    take_step(self.optimizer, loss, lr_at(self.completed, self.total_steps, t),
                               backward=acc.backward,
                               clip=(lambda: acc.clip_grad_norm_(self.params, t.max_grad_norm)) if clip else None)
-                stats = {"loss": out.loss.item(), **{f"kl/{k}": v.item() for k, v in out.kl.items()},
-                         **{f"agreement/{k}": v.item() for k, v in out.agree.items()}}
                 for k, v in stats.items():
                     window[k] = window.get(k, 0.0) + v
                 window_n, micro = window_n + 1, micro + 1
@@ -696,8 +641,7 @@ class Trainer:
                     logs = {k: v / window_n for k, v in window.items()}
                     logs["lr"] = lr_at(self.completed - 1, self.total_steps, t)
                     acc.log(logs, step=self.completed)
-                    bar.set_postfix(loss=f"{logs['loss']:.3f}", d=f"{logs['agreement/draft']:.2f}",
-                                    v=f"{logs['agreement/verify']:.2f}")
+                    bar.set_postfix(self.postfix(logs))
                     window, window_n = {}, 0
                 if t.eval_steps and self.completed % t.eval_steps == 0 and self.completed < self.total_steps:
                     self.evaluate(self.completed)

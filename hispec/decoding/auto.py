@@ -1,0 +1,269 @@
+"""`strategy="auto"` (`_AutoPolicy`): per row and per round, how much of the hierarchy to use, by the latency model
+(`hispec.latency`) under the row's own acceptance estimates, measured online.
+
+Contract (the `policy` protocol of `hispec.decoding.rounds._Run`): `choose(run)` before every round writes the
+per-row gammas `run.gam` (0 below the lowest level a row uses; all 0: plain decoding); `observe(run, k, ...)` is
+called by every verification, `observe_tree(...)` / `lookup_missed(...)` by tree rounds (`hispec.tree`), all before
+the state moves on; `keep_rows` / `extend` follow the run's rows (continuous batching); `guard` is the measured
+floor (`hispec.decoding.guard`). It only changes gammas, from tokens already drawn: output is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import latency
+from ..latency import LOOKUP, level_pairs
+from ..ngram import propose_batch
+from ..sampling import logits_to_probs, rank_among
+from .guard import _PlainGuard
+from .levels import Level
+
+if TYPE_CHECKING:
+    from .rounds import _Run
+
+class _AutoPolicy:
+    """`strategy="auto"`: per-row online choice of how much of the hierarchy to use, by the latency model.
+
+    The hierarchy (`chain`, bottom-up, the full model last) is the latency-optimal speculative one for the
+    checkpoint's calibration. Each row keeps, for every adjacent pair of levels (i -> i+1), a decayed count of
+    accepted tokens and of rejections (each observation round: `acc = DECAY * acc + accepted`, `rej = DECAY * rej +
+    (accepted < proposed)`), started from the calibration's acceptance with the weight of PRIOR rounds; its
+    acceptance estimate is the i.i.d. maximum-likelihood `acc / (acc + rej)` (`latency.acceptance_from_counts`), and
+    for an n-gram level 0 also its match rate. A lookup-first level 0 (`ngram|EXIT`) has two rates, counted apart by
+    who proposed a row's round (its exit's, like any exit, and its n-gram's), and the lookup's match rate. Before
+    every round the rule picks, per row, the lowest level s the row uses (s = K: plain decoding) and the gammas of
+    levels s..K-1 minimising the latency model's predicted time per token (`latency.best_gammas`) under the row's
+    own estimates, and writes them into `gam` (0 below s).
+    A row that has switched level s-1 off keeps measuring it almost for free: when level s produces a token itself,
+    the switched-off level's proposal for that position (its head on the exit state the pass just computed, every
+    SHADOW_EVERY-th such pass; or an n-gram lookup, every time) is compared with it (greedy: equal top-1;
+    sampling: the exact acceptance probability sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops
+    to cheaper hierarchies, down to plain decoding, when speculation stops paying, and climbs back when it pays
+    again. Hysteresis: a row decoding plainly starts speculating only when the predicted time per token is more
+    than MARGIN below plain decoding's (within the latency model's measured error a gain is not a gain); a row
+    already speculating keeps doing so while any gain is predicted.
+
+    The rule only changes how many tokens a level gathers and which levels a row uses, from tokens already drawn;
+    every token is still verified by the full model exactly as in a fixed hierarchy, so output is unchanged.
+    """
+
+    DECAY = 0.85
+    PRIOR = 2.0
+    SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit (n-gram lookups: every one)
+    MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
+
+    def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8, tree=None):
+        self.latency, self.cal, self.chain, self.max_gamma = latency, cal, chain, max_gamma
+        self.tree = tree  # a TreeSpec: level 0 drafts this tree (or, per row, nothing: plain), see `_choose_tree`
+        self.names = [lv.name for lv in chain]
+        K = len(chain) - 1
+        # per adjacent pair (i -> i+1) the rates its verification depends on: its own, or for a lookup-first level 0
+        # its exit's (estimated in acc/rej, like any exit) and the n-gram's (in lacc/lrej)
+        self.pairs = [level_pairs(a, b) for a, b in zip(self.names, self.names[1:])]
+        self.lookup = bool(chain[0].lookup)
+        prior = [float(cal.acceptance.get(p[0], 0.0)) for p in self.pairs]
+        self.acc = torch.tensor([[self.PRIOR * p for p in prior]] * B, dtype=torch.float64).reshape(B, K)
+        self.rej = torch.tensor([[self.PRIOR * (1 - p) for p in prior]] * B, dtype=torch.float64).reshape(B, K)
+        p_ng = float(cal.acceptance.get(self.pairs[0][1], 0.0)) if self.lookup else 0.0
+        self.lacc = torch.full((B,), self.PRIOR * p_ng, dtype=torch.float64)
+        self.lrej = torch.full((B,), self.PRIOR * (1 - p_ng), dtype=torch.float64)
+        match = float(getattr(cal, "ngram_match", 0.0) or 0.0)
+        self.hit = torch.full((B,), self.PRIOR * match, dtype=torch.float64)
+        self.miss = torch.full((B,), self.PRIOR * (1 - match), dtype=torch.float64)
+        # per row, the lowest level it used in the last round; rows start as plain, so the first round needs MARGIN
+        self.lowest = torch.full((B,), K, dtype=torch.long)
+        self._shadow_tick = 0
+        # trees, greedy: per row a decayed count of rounds whose model token is among the exit's top-k at the root,
+        # for each distinct width k of the tree (`khit`, out of `kseen` rounds; prior: the calibration's r(k))
+        self.kwidths = sorted(set(tree.widths)) if tree is not None else []
+        r = cal.topk.get(self.latency.pair_key(self.names[0].removeprefix(LOOKUP), "full")) if self.kwidths else []
+        self.khit = torch.tensor([[self.PRIOR * float(r[min(k, len(r)) - 1]) for k in self.kwidths]] * B,
+                                 dtype=torch.float64).reshape(B, len(self.kwidths))
+        self.kseen = torch.full((B,), self.PRIOR, dtype=torch.float64)
+        self.guard = _PlainGuard()  # measured floor: the batch decodes plainly where its speculation loses
+
+    ROW_STATE = ("acc", "rej", "lacc", "lrej", "hit", "miss", "lowest", "khit", "kseen")
+
+    # ---------------------------------------------------------------- estimates
+    def _update(self, i: int | None, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):
+        """Decay and count, for pair i (None: the lookup-first level's n-gram)."""
+        if rows.numel():
+            acc, rej = (self.lacc, self.lrej) if i is None else (self.acc[:, i], self.rej[:, i])
+            acc[rows] = self.DECAY * acc[rows] + accepted.double()
+            rej[rows] = self.DECAY * rej[rows] + rejected.double()
+
+    def _match(self, rows: torch.Tensor, hit: torch.Tensor):
+        if rows.numel():
+            self.hit[rows] = self.DECAY * self.hit[rows] + hit.double()
+            self.miss[rows] = self.DECAY * self.miss[rows] + (1 - hit.double())
+
+    def observe(self, run: _Run, k: int, part, m, a, new, probs):
+        """Called by `verify(k)` with its outcome, before the state moves on."""
+        i = k - 1
+        lower = run.levels[i]
+        cpu = lambda t: t.detach().cpu()  # noqa: E731
+        part, m, a = cpu(part), cpu(m), cpu(a)
+        gam_off = cpu(run.gam[i]) == 0
+        spoke = part & (m > 0)
+        tried = part & ~gam_off  # level i was asked to propose
+        if lower.lookup:  # the rows the lookup served count for the n-gram's rate, the others for the exit's
+            served = spoke & cpu(run.exhausted)
+            for pair, rows in ((None, served), (i, spoke & ~served)):
+                rows = rows.nonzero().flatten()
+                self._update(pair, rows, a[rows].double(), (a[rows] < m[rows]).double())
+            self._match(tried.nonzero().flatten(), served[tried].double())
+        else:
+            rows = spoke.nonzero().flatten()
+            self._update(i, rows, a[rows].double(), (a[rows] < m[rows]).double())
+            if lower.kind == "ngram":
+                self._match(rows, torch.ones(len(rows)))
+                nothing = (tried & (m == 0)).nonzero().flatten()  # the n-gram was asked and found nothing
+                self._match(nothing, torch.zeros(len(nothing)))
+        shadow = (part & (m == 0) & gam_off).nonzero().flatten()
+        if not shadow.numel():
+            return
+        if lower.kind == "ngram" or lower.lookup:
+            self._shadow_lookup(run, None if lower.lookup else i, shadow, new, probs)
+        if lower.kind == "exit":
+            self._shadow_exit(run, k, shadow, new, probs)
+
+    def _shadow_lookup(self, run: _Run, pair: int | None, shadow, new, probs):
+        """A switched-off lookup's first proposed token at the position the verifier just produced (every time)."""
+        dev_rows = shadow.to(run.seq.device)
+        ones = torch.ones_like(dev_rows)
+        props, n = propose_batch(run.tok[dev_rows], run.seq[dev_rows], ones.bool(), ones, run.ngram)
+        has = n.cpu() > 0
+        self._match(shadow, has.double())
+        if probs is not None:
+            x = probs[dev_rows, 0].gather(-1, props[:, :1])[:, 0]
+        else:
+            x = (props[:, 0] == new[dev_rows]).double()
+        x = x.detach().cpu().double()[has]
+        self._update(pair, shadow[has], x, 1 - x)
+
+    def _shadow_exit(self, run: _Run, k: int, shadow, new, probs):
+        """A switched-off exit's proposal at that position (every SHADOW_EVERY-th time)."""
+        i = k - 1
+        if run.state_heads[i] is not None:  # a `layer` head needs its own KV: no free shadow, keep the estimate
+            return
+        self._shadow_tick += 1
+        if self._shadow_tick % self.SHADOW_EVERY:  # an exit head costs a few % of a plain step: sample, not always
+            return
+        dev_rows = shadow.to(run.seq.device)
+        # the switched-off exit's state at each row's last known position (all rows: one batched head call)
+        last = (run.seq - 1).clamp(min=0)
+        h = run.hid[k][torch.arange(len(last), device=last.device), last][:, None]
+        logits = run._logits(i, h, pos=last[:, None])[:, 0][dev_rows]
+        if probs is not None:
+            q = logits_to_probs(logits, **run.warp)
+            x = torch.minimum(q, probs[dev_rows, 0]).sum(-1)
+        else:
+            x = (logits.argmax(-1) == new[dev_rows]).double()
+            if self.kwidths and i == 0:  # a tree's exit: the top-k counts too
+                self._topk(shadow, rank_among(logits.topk(max(self.kwidths), dim=-1).indices, new[dev_rows]))
+        x = x.detach().cpu().double()
+        self._update(i, shadow, x, 1 - x)
+
+    def _topk(self, rows: torch.Tensor, rank: torch.Tensor):
+        """One observation, for each of `rows`, of whether the model's token is among the exit's top-k, for every
+        width k of the tree (`rank` [len(rows)]: its rank among the exit's top choices, >= k when not in them)."""
+        if rows.numel():
+            hits = (rank.detach().cpu()[:, None] < torch.tensor(self.kwidths)).double()
+            self.khit[rows] = self.DECAY * self.khit[rows] + hits
+            self.kseen[rows] = self.DECAY * self.kseen[rows] + 1
+
+    def observe_tree(self, run: _Run, drafted, top1, part, new, probs, rank=None):
+        """Called by a tree round (`hispec.tree`) after its verification, before the state moves on. `top1` is,
+        for every row of `part` (still decoding), one observation of its exit's top-1 rate at the root (greedy:
+        whether the full model's token is the exit's top-1; sampling: the exact acceptance probability
+        sum(min(p, q)) of one draft from the exit's q): the pass computes the exit's root logits for every row,
+        so rows decoding plainly (not `drafted`) are measured exactly and for free, `layer` heads too. Greedy,
+        `rank` [B] is the model token's rank among the root's children (the exit's top-k_1; k_1 when not among
+        them): one observation of the row's top-k rate for each width of the tree. Switched-off rows' lookup is
+        shadowed as in `observe` (`new`, probabilities `probs[:, 0]`)."""
+        cpu = lambda t: t.detach().cpu()  # noqa: E731
+        drafted, part = cpu(drafted), cpu(part)
+        rows = part.nonzero().flatten()
+        x = cpu(top1).double()[rows]
+        self._update(0, rows, x, 1 - x)
+        if rank is not None and self.kwidths:
+            self._topk(rows, cpu(rank)[rows])
+        shadow = (part & ~drafted).nonzero().flatten()
+        if shadow.numel() and self.lookup:
+            self._shadow_lookup(run, None, shadow, new, probs)
+
+    def lookup_missed(self, rows: torch.Tensor):
+        """Rows (bool [B]) whose lookup-first exit tried the n-gram before a tree round and found nothing (the rows
+        it served are counted by `observe`, when their chain is verified)."""
+        rows = rows.detach().cpu().nonzero().flatten()
+        self._match(rows, torch.zeros(len(rows)))
+
+    # ---------------------------------------------------------------- choice
+    def _choose_tree(self, run: _Run, cal, alphas, lookup, match):
+        """Per row: the tree, or plain decoding (gam 0), whichever the latency model predicts faster under the row's
+        own estimates (greedy: its top-k rates at the tree's widths, counted by `observe_tree`; sampling, where only
+        the top-1 acceptance is observed exactly: the calibration's top-k rates scaled to the row's, by
+        `latency.scaled_topk`; for a lookup-first exit also the n-gram's rate and match rate), with the same
+        hysteresis as chains."""
+        exit_level = self.names[0].removeprefix(LOOKUP)
+        key = self.latency.pair_key(exit_level, "full")
+        rates, widths = cal.topk[key], list(self.tree.widths)
+        plain = cal.plain_seconds_per_token()
+        own = None if run.do_sample else (self.khit / self.kseen[:, None].clamp(min=1e-9)).tolist()
+        gam = [0] * alphas.shape[0]
+        for b in range(alphas.shape[0]):
+            margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
+            row = self.latency.scaled_topk(rates, float(alphas[b, 0]))
+            for k, r in zip(self.kwidths, own[b] if own is not None else ()):
+                row[k - 1] = r
+            topk = {key: row}
+            ng = {self.pairs[0][1]: float(lookup[b])} if self.lookup else None  # the row's n-gram rate
+            t = self.latency.tree_time_per_token(widths, cal, exit_level, topk, lookup=self.lookup,
+                                                 acceptance=ng, match=float(match[b]))
+            on = t < plain * (1 - margin)
+            gam[b] = 1 if on else 0
+            self.lowest[b] = 0 if on else 1
+        run.gam = [torch.tensor(gam, dtype=run.gam[0].dtype, device=run.gam[0].device)]
+
+    def _choose_chain(self, run: _Run, cal, alphas, lookup, match):
+        """Per row: the lowest level it uses and the gammas above it that the latency model predicts fastest under
+        the row's own estimates (`latency.best_gammas`), with hysteresis towards plain decoding."""
+        K = len(self.chain) - 1
+        gam = [g.clone() for g in run.gam]
+        for b in range(alphas.shape[0]):
+            margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
+            rates = {p[0]: a for p, a in zip(self.pairs, alphas[b].tolist())}
+            if self.lookup:
+                rates[self.pairs[0][1]] = float(lookup[b])
+            gs = self.latency.best_gammas(self.names, cal, rates, max_gamma=self.max_gamma,
+                                          ngram_match=float(match[b]), margin=margin)
+            self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
+            for i in range(K):
+                gam[i][b] = gs[i]
+        run.gam = gam
+
+    def choose(self, run: _Run):
+        """Before a round: every row's gammas `run.gam`, from its estimates (a tree's rows: the tree or plain)."""
+        alphas = self.acc / (self.acc + self.rej).clamp(min=1e-9)  # [B, K]: latency.acceptance_from_counts
+        lookup = self.lacc / (self.lacc + self.lrej).clamp(min=1e-9)
+        match = self.hit / (self.hit + self.miss).clamp(min=1e-9)
+        K = len(self.chain) - 1
+        cal = self.cal.at_batch(alphas.shape[0])  # priced at this batch's costs (`Calibration.at_batch`)
+        if self.tree is not None:
+            self._choose_tree(run, cal, alphas, lookup, match)
+        else:
+            self._choose_chain(run, cal, alphas, lookup, match)
+        run.stats.row_rounds += alphas.shape[0]
+        run.stats.plain_row_rounds += int((self.lowest == K).sum())
+
+    def extend(self, other: "_AutoPolicy"):  # (the guard's timings stay: they are per token, not per row)
+        for name in self.ROW_STATE:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+    def keep_rows(self, idx: torch.Tensor):
+        idx = idx.cpu()
+        for name in self.ROW_STATE:
+            setattr(self, name, getattr(self, name).index_select(0, idx))

@@ -1,0 +1,128 @@
+"""The EAGLE-3 drafter (`hispec.eagle3`) as level 0 of a round: hierarchies `eagle3>full` and `ngram|eagle3>full`.
+
+The drafter reads the full model's residual stream at its aux layers, which verification computes anyway: the top
+range's `run_layers` captures them (`capture`) for every position it runs, into `aux` (valid below done[K], like
+the final states). The drafter keeps its own keys/values by position (`dk`, `dv`); its entry q is "token q with
+the states of position q - 1" and predicts token q + 1 (the alignment of `speculators`, and of training).
+Per row:
+- `dctx`: entries below it are *context* entries, computed from the target's states of verified tokens;
+- `dlen`: entries below it are valid now: the context plus this round's *draft* entries, computed from the
+  drafter's own previous output state `dh` (the next step's input);
+- a draft step computes the entries [dlen, seq): at a round's first step the context the full model verified
+  since the last round (many positions, one pass), later one draft entry; the last entry's logits give the token
+  at seq. After the full model verifies, draft entries are dropped (dlen = dctx): accepted tokens become context
+  entries at the next step, recomputed from the target's states, exactly as training's step 0 sees them.
+Lossless as every level 0: the full model verifies every drafted token (greedy: longest agreeing prefix; sampling:
+speculative sampling with the drafter's warped distribution, zero outside its draft vocabulary, as proposal).
+The drafter drafts directly for the full model only (its inputs are the full model's verified states).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..eagle3 import KVBuffer
+from ..sampling import logits_to_probs, sample
+from .stats import LevelStats
+
+
+class _EagleDrafting:
+    """Level-0 drafting with an EAGLE-3 drafter, mixed into `hispec.decoding.rounds._Run`."""
+
+    aux = dk = dv = dctx = dlen = dh = None
+    drafter = None
+
+    def _init_eagle(self, B: int, cap: int) -> None:
+        """Per-row buffers for the drafter (only when level 0 is `eagle3`)."""
+        d = self.model.drafter
+        if d is None:
+            raise ValueError("level 'eagle3' needs an EAGLE-3 drafter: load the checkpoint with one "
+                             "(hispec.load(path, drafter=RUN) or hispec-export RUN --drafter DRAFTER_RUN)")
+        if self.K < 1 or self.bounds[self.K - 1] != 0:
+            raise ValueError("an eagle3 drafter drafts directly for the full model: use eagle3>full or "
+                             "ngram|eagle3>full")
+        c, dev, dt = d.config, self.adapter.device, self.adapter.dtype
+        self.drafter, self.aux_layers = d, list(c.aux_layers)
+        self.aux = torch.zeros(B, cap, len(c.aux_layers) * c.hidden_size, dtype=dt, device=dev)
+        # slot `cap` is scratch: padding queries write there, and no mask reaches it
+        self.dk = torch.zeros(B, c.num_key_value_heads, cap + 1, c.head_dim, dtype=dt, device=dev)
+        self.dv = torch.zeros_like(self.dk)
+        self.dctx = torch.ones(B, dtype=torch.long, device=dev)  # entry 0 does not exist (no state before it)
+        self.dlen = self.dctx.clone()
+        self.dh = torch.zeros(B, c.hidden_size, dtype=dt, device=dev)
+
+    def _eagle_capture(self, j: int) -> dict | None:
+        """The aux layers to capture while range j runs (the top range, when level 0 is the drafter)."""
+        return {i: None for i in self.aux_layers} if self.aux is not None and j == self.K else None
+
+    def _eagle_store(self, idx: torch.Tensor, valid: torch.Tensor, captured: dict) -> None:
+        """Keep the captured aux states `[B, T, H]` of positions `idx` `[B, T]` (real ones: `valid`)."""
+        states = torch.cat([captured[i] for i in self.aux_layers], -1)
+        r, c = valid.nonzero(as_tuple=True)
+        self.aux[r, idx[r, c]] = states[r, c].to(self.aux.dtype)
+
+    def _draft_eagle(self, grow: torch.Tensor, st: LevelStats) -> None:
+        """One drafted token for each row of `grow` (see the module docstring)."""
+        start, end = self.dlen, self.seq
+        n = torch.where(grow, end - start, torch.zeros_like(end))
+        T = int(n.max())
+        if T == 0:
+            return
+        ar = torch.arange(T, device=n.device)
+        valid = ar < n[:, None]
+        idx = torch.where(valid, start[:, None] + ar, start[:, None])  # [B, T] entry positions
+        step = self._eagle_step(idx, valid, grow, n)
+        last = (n - 1).clamp(min=0)
+        rows = torch.arange(len(n), device=n.device)
+        self.dh = torch.where(grow[:, None], step.hidden[rows, last].to(self.dh.dtype), self.dh)
+        self.dctx = torch.where(grow, torch.maximum(self.dctx, torch.minimum(end, self.done[self.K] + 1)), self.dctx)
+        self.dlen = torch.where(grow, end, self.dlen)
+        token = self._eagle_token(step.logits[rows, last], grow)
+        pos = self.seq.clamp(max=self.tok.shape[1] - 1)
+        self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
+        self.seq = self.seq + grow.long()
+        st.proposed += int(grow.sum())
+        st.proposals += int(grow.sum())
+        st.passes += 1
+        st.row_passes += int(grow.sum())
+        st.layer_evals += int(n.sum())  # one decoder layer per entry
+
+    def _eagle_step(self, idx: torch.Tensor, valid: torch.Tensor, grow: torch.Tensor, n: torch.Tensor):
+        """The drafter over entries `idx`: context entries read the target's states of the position before, a
+        draft entry (the last, past done[K]) the drafter's own previous state; keys go into the buffers."""
+        d = self.drafter
+        tokens = self.tok.gather(1, idx)
+        embeds = self.model.base.get_input_embeddings()(tokens).to(self.aux.dtype)
+        prev = (idx - 1).clamp(min=0)
+        fused = d.fuse(self.aux.gather(1, prev[..., None].expand(-1, -1, self.aux.shape[-1])))
+        context = (idx <= self.done[self.K][:, None])[..., None]
+        hidden = torch.where(context, fused, self.dh[:, None, :].to(fused.dtype))
+        S = int(torch.where(grow, self.seq, torch.ones_like(self.seq)).max())
+        keys = torch.arange(S, device=idx.device)
+        mask = (keys >= 1) & (keys <= idx[..., None])  # [B, T, S]: every valid entry up to the query's own
+        mask = torch.where(valid[..., None], mask, keys == 0)  # padding queries read the empty slot 0
+        write = torch.where(valid, idx, torch.full_like(idx, self.dk.shape[2] - 1))
+        return d.step(embeds, hidden, idx, KVBuffer(self.dk, self.dv, write), mask)
+
+    def _eagle_token(self, logits: torch.Tensor, grow: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits `[B, Vd]` -> the drafted target token `[B]` (its distribution stored as level
+        0's rows when sampling: full vocabulary, zero outside the draft vocabulary)."""
+        d = self.drafter
+        if not self.do_sample:
+            return d.to_target(logits.argmax(-1))
+        ids, full = d.draft_token_ids(), logits
+        if ids is not None:
+            full = logits.new_full((logits.shape[0], self.adapter.vocab_size), float("-inf"))
+            full.scatter_(1, ids[None].expand(logits.shape[0], -1), logits)
+        probs = logits_to_probs(full.float(), **self.warp)
+        token = sample(probs, self.generator)
+        self._store_rows(0, self.seq, probs[:, None], only=grow if self.levels[0].lookup else None)
+        return token
+
+    def _eagle_drop_drafts(self, part: torch.Tensor) -> None:
+        """After the full model verified the rows `part`: their draft entries go; context stays where its states
+        are still valid."""
+        if self.dk is None:
+            return
+        self.dctx = torch.minimum(self.dctx, self.done[self.K] + 1)
+        self.dlen = torch.where(part, torch.minimum(self.dlen, self.dctx), self.dlen)

@@ -1,0 +1,98 @@
+"""`auto`'s measured floor (`_PlainGuard`): a batch stops speculating where its own timed speculative rounds cost
+more wall time per committed token than its own plain rounds.
+
+Contract: `begin(run)` after the policy chose the round's gammas (it may zero them all: a plain round) and
+`end(run)` after the round's last commit (it times the round on `clock`, replaceable, and counts the tokens
+committed). It changes only which rows speculate, never how tokens are verified.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+class _PlainGuard:
+    """`auto`'s measured floor: a batch does not keep speculating where its own speculative rounds, timed, cost more
+    wall time per committed token than its own plain rounds.
+
+    The rule above prices rounds with the calibration's single-row pass costs (scaled by `Calibration.at_batch`);
+    that holds for one row but not for every batch: a verification pass spans the widest row's proposal for every
+    row, and its attention runs over each row's own cache, so on a CPU a batch of 16 can pay several times the
+    predicted cost for the positions one speculating row adds (tools/batch_speed.py measured auto at 0.77x of plain
+    rows at batch 16 with the rule alone). The guard does not model that; it measures it. Two arms, per run:
+    `spec` (the rule's choice, whenever it speculates for any row) and `plain` (every row one token, which is `ar`).
+    Each round's wall time from `begin` (after the rule chose) to `end` (after its last commit) and the tokens it
+    committed go to the arm it ran, as decayed sums (a round's weight decays by DECAY per round since, so an arm
+    measured long ago, at a shorter cache or another batch, counts little once re-measured); an arm's cost is
+    seconds / tokens. While both arms are measured the round runs the cheaper one, except that the other is measured
+    again (one round) once EXPLORE times its last round's seconds have gone to the cheaper one; while `plain` is not
+    yet measured, the round after WARM speculative rounds is plain. So exploring takes at most ~1/EXPLORE of the
+    time, and a user ends up near plain decoding's speed where speculation loses (the warm-up's WARM rounds aside),
+    whatever the calibration predicted.
+
+    Only which rows speculate changes (a plain round is the rule's own all-plain choice), never how tokens are
+    verified: output is unchanged. `clock` is replaceable (tests use a cost model instead of wall time)."""
+
+    DECAY = 0.9  # per round since an arm's last measurement
+    EXPLORE = 16  # the arm not in use is measured again once EXPLORE of its rounds' time went to the other
+    WARM = 2  # speculative rounds before the first plain measurement
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        self.sec = {"spec": 0.0, "plain": 0.0}
+        self.tok = {"spec": 0.0, "plain": 0.0}
+        self.last = {"spec": None, "plain": None}  # per arm: (round, elapsed seconds) of its last measurement
+        self.round_sec = {"spec": 0.0, "plain": 0.0}  # per arm: its last round's seconds
+        self.spec_rounds = 0
+        self.round = 0
+        self.elapsed = 0.0  # seconds of every measured round
+        self._open = None  # (arm, start time, committed tokens at the start)
+
+    def cost(self, arm: str) -> float | None:
+        """Measured seconds per committed token of `arm` (None: not measured yet)."""
+        return self.sec[arm] / self.tok[arm] if self.tok[arm] > 0 else None
+
+    def _arm(self, speculating: bool) -> str:
+        if not speculating:
+            return "plain"
+        spec, plain = self.cost("spec"), self.cost("plain")
+        if plain is None:
+            return "plain" if self.spec_rounds >= self.WARM else "spec"
+        if spec is None:
+            return "spec"
+        best, other = ("spec", "plain") if spec <= plain else ("plain", "spec")
+        # exploring costs at most one round of the other arm per EXPLORE such rounds' time: <= 1/EXPLORE of the time
+        due = self.elapsed - self.last[other][1] >= self.EXPLORE * self.round_sec[other]
+        return other if due else best
+
+    def begin(self, run) -> None:
+        speculating = any(bool((g > 0).any()) for g in run.gam)
+        arm = self._arm(speculating)
+        if speculating and arm == "plain":
+            rows = len(run.seq)
+            was_plain = int((torch.stack([g.cpu() for g in run.gam]) == 0).all(0).sum()) if run.gam else rows
+            run.gam = [torch.zeros_like(g) for g in run.gam]
+            run.stats.plain_row_rounds += rows - was_plain
+            run.stats.guarded_rounds += 1
+        self._open = (arm, self.clock(), run.committed_tokens)
+
+    def end(self, run) -> None:
+        if self._open is None:
+            return
+        arm, t0, n0 = self._open
+        self._open = None
+        seconds, tokens = self.clock() - t0, run.committed_tokens - n0
+        if tokens <= 0:
+            return
+        if self.last[arm] is not None:
+            w = self.DECAY ** (self.round - self.last[arm][0])
+            self.sec[arm] *= w
+            self.tok[arm] *= w
+        self.sec[arm] += seconds
+        self.tok[arm] += tokens
+        self.elapsed += seconds
+        self.round_sec[arm] = seconds
+        self.last[arm] = (self.round, self.elapsed)
+        self.spec_rounds += arm == "spec"
+        self.round += 1

@@ -1,0 +1,189 @@
+"""`train/heads.py --head_type eagle3`: an EAGLE-3 drafter (`hispec.eagle3`) trained by the distillation core.
+
+Contract: the run goes through the same pipeline as exit heads -- checks, self-written prompts, self-distilled
+answers, plain text, the feature cache (which then stores the drafter's aux layers and the final layer's top-k),
+accelerate (CPU, CPU processes, DDP, DeepSpeed), checkpoints every `checkpointing_steps`, exact resume -- and differs
+only in what trains:
+- the settings are checked before any model is loaded (`hispec.distill.drafter.validate_drafter_args`); a drafter
+  trains from a feature cache only (its training-time test unrolls several steps over whole sequences of cached
+  states; running the backbone per step would cost more than the drafter);
+- `DrafterTrainer(model, data, ...)`: a `Trainer` whose trained module is a `DrafterForTraining` (the drafter + the
+  target's frozen embedding), whose step is `ttt_loss` over `eagle3_ttt_steps` draft steps, and whose evaluation
+  is per draft step top-1 agreement with the target, the chained agreement and the expected accepted drafts per
+  round on the held-out cache. The draft vocabulary is the `eagle3_draft_vocab_size` most frequent teacher top-1
+  tokens of the training cache; the lm_head starts from the target's rows, the norm from its final norm. `save()`
+  writes `hispec_drafter.safetensors` + `hispec_drafter.json` (`hispec.eagle3.save_drafter`) and `metrics.json`;
+  `hispec-export RUN --format speculators` turns that into a vLLM / SGLang drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict
+
+import torch
+from torch.utils.data import DataLoader, SequentialSampler
+
+from hispec.distill.args import ConfigError
+from hispec.distill.drafter import drafter_aux_layers
+from hispec.distill.trainer import Trainer
+
+
+def _make_drafter(model, m, train_cache):
+    """A fresh drafter for `model`'s base: its shape, the draft vocabulary counted on the training cache, the
+    lm_head rows and final norm of the target."""
+    from hispec.distill.drafter import draft_vocab_from_cache
+    from hispec.eagle3 import Eagle3Config, Eagle3Drafter
+
+    adapter = model.adapter
+    V = adapter.vocab_size
+    size = m.eagle3_draft_vocab_size if 0 < m.eagle3_draft_vocab_size < V else V
+    cfg = Eagle3Config.for_target(model.base.config, aux_layers=drafter_aux_layers(m, adapter.num_layers),
+                                  draft_vocab_size=size)
+    drafter = Eagle3Drafter(cfg)
+    if size < V:
+        drafter.set_draft_vocab(draft_vocab_from_cache(train_cache, size, V))
+    head = model.base.get_output_embeddings()
+    norm = getattr(adapter.final_norm, "weight", None)
+    drafter.init_from_target(head.weight.detach().float(),
+                             None if norm is None or norm.shape != drafter.norm.weight.shape else norm.detach().float())
+    return drafter.float()
+
+
+class DrafterTrainer(Trainer):
+    """See the module docstring. Reuses `Trainer.loop` and `Trainer.save_checkpoint`; the trained module is kept
+    under `self.heads`, the name the loop uses."""
+
+    progress_name = "training eagle3 drafter"
+
+    def __init__(self, model, data, m, d, g, t, accelerate_kwargs: dict, resume_dir=None):
+        from accelerate import Accelerator, DataLoaderConfiguration
+
+        from hispec.distill import data as tdata
+        from hispec.distill.drafter import DrafterCollator, DrafterForTraining
+        from hispec.distill.trainer import STATE_FILE, logger, output_dir_of
+
+        if not data.cached:
+            raise ConfigError("an eagle3 drafter trains from a feature cache: set feature_cache: DIR")
+        self.model, self.data, self.t, self.m, self.adapter = model, data, t, m, model.adapter
+        self.output_dir = output_dir_of(t)
+        self.steps = m.eagle3_ttt_steps
+        self.drafter = _make_drafter(model, m, data.train)
+        collate = DrafterCollator(self.drafter.config.aux_layers, self.steps)
+        train_dl = DataLoader(data.train, batch_size=t.per_device_train_batch_size,
+                              sampler=tdata.EpochSampler(len(data.train), t.seed), collate_fn=collate)
+        eval_dl = (DataLoader(data.eval, batch_size=t.per_device_eval_batch_size, sampler=SequentialSampler(data.eval),
+                              collate_fn=collate) if data.eval is not None and len(data.eval) else None)
+        report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
+        self.accelerator = acc = Accelerator(
+            gradient_accumulation_steps=t.gradient_accumulation_steps, log_with=report_to or None,
+            project_dir=str(self.output_dir), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
+            **accelerate_kwargs)
+        module = DrafterForTraining(self.drafter, model.base.get_input_embeddings())
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        prepared = acc.prepare(module, optimizer, train_dl, *([eval_dl] if eval_dl is not None else []))
+        self.heads, self.optimizer, self.train_dl = prepared[:3]
+        self.eval_dl = prepared[3] if eval_dl is not None else None
+        self.steps_per_epoch = max(1, math.ceil(len(self.train_dl) / t.gradient_accumulation_steps))
+        self.total_steps = t.max_steps if t.max_steps > 0 else self.steps_per_epoch * t.num_train_epochs
+        self.ranges, self.loss_fn = None, None
+        self.completed, self.history, self.prior_seconds, self.t_train = 0, [], 0.0, time.time()
+        c = self.drafter.config
+        ids = self.drafter.draft_token_ids()
+        self.run_info = {"head_type": "eagle3", "aux_layers": c.aux_layers, "ttt_steps": self.steps,
+                         "step_decay": m.eagle3_step_decay, "draft_vocab_size": c.draft_vocab_size,
+                         "draft_vocab_ids_sum": None if ids is None else int(ids.sum()),
+                         "train_examples": len(data.train),
+                         "eval_examples": len(data.eval) if data.eval is not None else 0,
+                         "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                         "world_size": acc.num_processes, "sources": data.sources, "feature_cache": data.cache_info}
+        if resume_dir is not None:
+            saved = json.loads((resume_dir / STATE_FILE).read_text())
+            for key in ("head_type", "aux_layers", "ttt_steps", "step_decay", "draft_vocab_size",
+                        "draft_vocab_ids_sum"):
+                if saved["run"].get(key) != self.run_info[key]:
+                    raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={saved['run'].get(key)!r}, "
+                                      f"this run asks for {self.run_info[key]!r}; resume with the same configuration")
+            acc.load_state(str(resume_dir))
+            self.completed, self.history = int(saved["step"]), list(saved.get("history", []))
+            self.prior_seconds = float(saved.get("train_seconds", 0.0))
+            logger.info("resumed from %s at step %d", resume_dir, self.completed)
+        self.config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
+        if report_to:
+            acc.init_trackers("hispec-eagle3", config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                                       for k, v in self.config_dump.items()})
+        logger.info("training an eagle3 drafter: aux layers %s, %d draft steps, draft vocabulary %d, %d sequences, "
+                    "%d steps", c.aux_layers, self.steps, c.draft_vocab_size, len(data.train), self.total_steps)
+
+    def step_loss(self, batch, micro: int):
+        from hispec.distill.drafter import ttt_loss
+
+        out = ttt_loss(self.heads, batch, self.steps, self.m.eagle3_step_decay)
+        stats = {"loss": out.loss.item(), **{f"top1/step{s}": v for s, v in enumerate(out.top1)},
+                 **{f"chain/step{s}": v for s, v in enumerate(out.chain)}}
+        return out.loss, stats
+
+    @staticmethod
+    def postfix(logs: dict) -> dict:
+        return {"loss": f"{logs['loss']:.3f}", "top1": f"{logs['top1/step0']:.2f}",
+                "chain": "/".join(f"{logs[k]:.2f}" for k in sorted(logs) if k.startswith("chain/"))}
+
+    def evaluate(self, step: int, final: bool = False) -> dict | None:
+        """Held-out per-step agreement summed exactly over batches and processes (`summarize`)."""
+        from hispec.distill.drafter import summarize, ttt_loss
+
+        if self.eval_dl is None:
+            return None
+        acc = self.accelerator
+        keys, totals = None, None
+        self.heads.eval()
+        with torch.no_grad():
+            for batch in self.eval_dl:
+                sums = ttt_loss(self.heads, batch, self.steps, self.m.eagle3_step_decay).sums
+                keys = keys or sorted(sums)
+                row = torch.tensor([[sums.get(k, 0.0) for k in keys]], dtype=torch.float64,
+                                   device=acc.device)
+                g = acc.gather_for_metrics(row).sum(0).cpu()
+                totals = g if totals is None else totals + g
+        self.heads.train()
+        res = summarize(dict(zip(keys or [], (totals.tolist() if totals is not None else []))), self.steps)
+        res["step"] = step
+        self.history.append(res)
+        acc.log({"eval/top1_step0": res["top1"][0], "eval/accepted_per_round": res["accepted_per_round"]}, step=step)
+        from hispec.distill.trainer import logger
+
+        logger.info("eval @%d: top-1 by step %s, chained %s, accepted per round %.3f", step, res["top1"],
+                    res["chain"], res["accepted_per_round"])
+        return res
+
+    def save(self) -> None:
+        """Final evaluation, then the drafter (`hispec_drafter.*`), `metrics.json` and one JSON line."""
+        from hispec.distill.trainer import METRICS_FILE
+        from hispec.eagle3 import save_drafter
+        from hispec.io import write_json
+
+        acc = self.accelerator
+        train_seconds = round(self.prior_seconds + time.time() - self.t_train, 1)
+        final = self.evaluate(self.completed, final=True)
+        state = acc.get_state_dict(self.heads)
+        if acc.is_main_process:
+            self.drafter.load_state_dict({k.removeprefix("drafter."): v for k, v in state.items()}, strict=False)
+            base = dict(self.model.hispec_config.base)
+            save_drafter(self.drafter.float(), self.output_dir, base=base,
+                         extra={"ttt_steps": self.steps, "steps": self.completed, "train_seconds": train_seconds,
+                                "metrics": None if final is None else {
+                                    "held_out_top1_step0": final["top1"][0],
+                                    "held_out_accepted_per_round": final["accepted_per_round"]},
+                                "data": self.run_info, "args": self.config_dump})
+            write_json(self.output_dir / METRICS_FILE, {"final": final, "history": self.history,
+                                                        "steps": self.completed, "train_seconds": train_seconds})
+            line = {"steps": self.completed, "train_seconds": train_seconds, "head_type": "eagle3"}
+            if final is not None:
+                line.update({"top1_by_step": final["top1"], "chain_by_step": final["chain"],
+                             "accepted_per_round": final["accepted_per_round"]})
+            print(json.dumps(line))
+        acc.wait_for_everyone()
+        acc.end_training()

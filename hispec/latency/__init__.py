@@ -1,0 +1,71 @@
+"""The latency model of hierarchical speculative decoding and the latency-optimal hierarchy (design.md §3.3).
+
+Contract:
+- A *hierarchy* is a list of level names ordered by depth, bottom-up, ending with "full": "ngram" (prompt-lookup
+  drafting, `hispec.ngram`; only as the bottom level), "L<k>" (the exit after decoder layer k with its trained
+  head) and "full" (the model). Level i < top has a gamma `g_i`: how many tokens it gathers before level i+1
+  verifies them in one pass (for "ngram": its longest proposal). `gammas[i] == 0` means level i is *skipped*:
+  level i+1 produces its tokens itself (it becomes the bottom; the levels below i are idle). So
+  `(["L4", "L8", "full"], [0, 3])` is self-speculation at L8 and `[0, 0]` is plain decoding.
+- `time_per_token(levels, gammas, cal)` predicts seconds per generated token; `best_hierarchy(cal)` the fastest
+  hierarchy (plain decoding is always a candidate, so the choice is never predicted slower than plain);
+  `best_gammas(levels, cal, acceptance)` the best gammas for a fixed level list given (e.g. per-row, observed)
+  acceptance rates, allowing 0 = skip; memoised, cheap enough to call every few decoding rounds.
+- `calibrate(model, prompts)` measures a `Calibration` on this machine: unit costs (timed) and acceptance rates
+  (counted on the model's own greedy answers), and keeps the n-gram config (of NGRAM_CANDIDATES) that `auto_plan`,
+  `auto`'s plan, is predicted fastest with; the decoder then runs that config. It lives in the checkpoint as
+  `config.json["hispec"]["calibration"]` (`write_calibration` / `read_calibration`); `Calibration.check(model)`
+  refuses one made for another model or on another kind of machine (`CalibrationError`).
+
+The package re-exports its modules' names (`from hispec.latency import X` and `hispec.latency.X` reach them all);
+each module imports only those listed before it:
+- `model`: the formulas (in its docstring), closed forms and level names, `time_per_token` and the dynamic
+  programmes over hierarchies and gammas (`best_hierarchy`, `best_gammas`), `CalibrationError`;
+- `calibration`: the `Calibration` record (costs, acceptances, batch scaling, JSON, the model / machine check) and
+  its storage in a checkpoint (`write_calibration`, `read_calibration`);
+- `trees`: static tree drafts priced (`tree_time_per_token`) and the best tree;
+- `plans`: `auto_plan`, the plan `auto` decodes with, and the prediction tables the tools print;
+- `timing`: unit costs timed behind a KV cache (`KVBench`, `measure_costs`);
+- `measure`: `calibrate`, which measures a `Calibration` on this machine.
+"""
+
+from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, machine_fingerprint, model_identity,
+                          read_calibration, write_calibration)
+from .measure import NGRAM_CANDIDATES, calibrate, fit_decoder_costs, ngram_rounds
+from .model import (DEFAULT_MAX_GAMMA, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
+                    best_gammas, best_hierarchy, expected_tokens, interp, level_name, level_pairs, lookup_exit,
+                    pair_key, time_per_token)
+from .plans import AutoPlan, auto_plan, format_predictions, named_hierarchies, predictions
+from .timing import KVBench, measure_costs, measure_layer_costs, median_times, nondecreasing
+from .trees import (MAX_TREE_WIDTH, TREE_ROWS, best_tree, scaled_topk, tree_expected_tokens, tree_round_seconds,
+                    tree_shapes, tree_time_per_token)
+
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "Choice",
+    "LOOKUP",
+    "KVBench",
+    "acceptance_from_counts",
+    "best_gammas",
+    "best_hierarchy",
+    "calibrate",
+    "expected_tokens",
+    "fit_decoder_costs",
+    "format_predictions",
+    "interp",
+    "level_pairs",
+    "lookup_exit",
+    "machine_fingerprint",
+    "measure_costs",
+    "measure_layer_costs",
+    "median_times",
+    "model_identity",
+    "ngram_rounds",
+    "nondecreasing",
+    "named_hierarchies",
+    "predictions",
+    "read_calibration",
+    "time_per_token",
+    "write_calibration",
+]

@@ -1,0 +1,316 @@
+"""The `Calibration` record: the measured inputs of the latency model for one model on one kind of machine.
+
+Contract: a `Calibration` holds the unit costs and acceptance rates the formulas of `hispec.latency.model` take
+(costs interpolated and memoised per instance; `at_batch(rows)` the same as one row of a batch sees them),
+round-trips through JSON (`to_dict` / `from_dict`, format `CALIBRATION_VERSION`), and `check(model)` raises
+`CalibrationError` when it was made for another model or on another kind of machine (`model_identity`,
+`machine_fingerprint`). `write_calibration` / `read_calibration` store it in a checkpoint as
+`config.json["hispec"]["calibration"]` and read it back. Measuring one is `calibrate`'s (`hispec.latency.measure`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .. import packed
+from ..io import write_json
+from ..ngram import NgramConfig
+from .model import FULL, LOOKUP, NGRAM, CalibrationError, interp, level_name, lookup_exit, time_per_token
+
+CALIBRATION_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_fingerprint(device=None, model=None) -> dict:
+    """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch, and
+    with `model` (an `EarlyExitModel`) its linear kernels (`hispec.packed.kind`: prepacked or stock)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    fp = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": dev.type,
+          "cuda_name": None, "torch": torch.__version__, "platform": platform.machine()}
+    if model is not None:
+        fp["linear"] = packed.kind(model.base)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        fp["cuda_name"] = torch.cuda.get_device_name(dev)
+    return fp
+
+
+def model_identity(model) -> dict:
+    """The facts about an `EarlyExitModel` that its costs and acceptances depend on."""
+    ad, cfg = model.adapter, model.hispec_config
+    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    heads = {level_name(layer): {"exit": name, "type": cfg.head_type, "vocab_size": model.vocab_size_of(name)}
+             for name, layer in exits.items()}
+    return {"num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "vocab_size": ad.vocab_size,
+            "model_type": getattr(ad.config, "model_type", None), "exits": exits, "heads": heads}
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _str_keys(d):
+    if isinstance(d, dict):
+        return {str(k): _str_keys(v) for k, v in d.items()}
+    return d
+
+
+def _int_keys(table: dict) -> dict:
+    return {int(k): float(v) for k, v in table.items()}
+
+
+@dataclass
+class Calibration:
+    """Measured inputs of the latency model for one model on one kind of machine (the formulas are
+    `hispec.latency.model`'s).
+
+    `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s,
+    "layer_scale": x} (x: the factor by which a layer runs slower inside the decoder than timed alone, fitted by
+    `calibrate`; absent = 1);
+    `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, ...} for every pair lower < upper; `ngram_match`: the
+    share of the n-gram level's rounds whose lookup proposes anything; `measured`: tokens/s per strategy where a run
+    measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
+
+    machine: dict
+    dtype: str
+    threads: int
+    model: dict
+    costs: dict
+    acceptance: dict
+    ngram_match: float = 0.0
+    measured: dict | None = None
+    context: int = 0  # KV slots behind the timed passes
+    positions: int = 0  # answer positions the acceptances were counted on
+    ngram: dict | None = None  # the NgramConfig the n-gram figures were measured with
+    topk: dict | None = None  # {"L4>full": [r(1), ..., r(K)]}: share of positions with the model's argmax in L4's top-k
+    # the n-gram configs `calibrate` measured and chose `ngram` from: [{"config": {...}, "match": m, "acceptance":
+    # {"ngram>L4": a, ..., "ngram>full": a}, "seconds_per_token": auto's predicted time}, ...] (None: one measured)
+    ngram_options: list | None = None
+    version: int = CALIBRATION_VERSION
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ levels
+    @property
+    def num_layers(self) -> int:
+        return int(self.model["num_layers"])
+
+    @property
+    def levels(self) -> list[str]:
+        """Every level this calibration can price: "ngram" and, per exit, "ngram|Lk" (if the n-gram was measured),
+        the exits, "full"."""
+        exits = [level_name(e) for e in sorted(int(name[1:]) for name in self.costs.get("head", {}))]
+        if self.costs.get("ngram") is None:
+            return exits + [FULL]
+        return [NGRAM] + exits + [LOOKUP + e for e in exits] + [FULL]
+
+    @property
+    def ngram_max_len(self) -> int:
+        """The longest n-gram proposal the n-gram figures were measured with (a lookup-first level proposes that)."""
+        return int((self.ngram or {}).get("max_len", NgramConfig().max_len))
+
+    def depth(self, level: str) -> int:
+        exit_level = lookup_exit(level)
+        if exit_level is not None and self.costs.get("ngram") is not None and exit_level in self.costs.get("head", {}):
+            return int(exit_level[1:])  # (a lookup-first level needs a measured n-gram and a measured exit)
+        if level == NGRAM:
+            return 0
+        if level == FULL:
+            return self.num_layers
+        if level.startswith("L") and level[1:].isdigit() and level in self.costs.get("head", {}):
+            return int(level[1:])
+        raise ValueError(f"unknown level {level!r}; this calibration knows {', '.join(self.levels)}")
+
+    def layer_cost(self, T: int) -> float:
+        return self._cached(("layer", T), lambda: self.layer_scale * interp(self.costs["layer"], T))
+
+    @property
+    def layer_scale(self) -> float:
+        return float(self.costs.get("layer_scale") or 1.0)
+
+    def head_cost(self, level: str, T: int) -> float:
+        if level == FULL:
+            return self._cached(("final", T), lambda: interp(self.costs["final"], T))
+        level = lookup_exit(level) or level
+        return self._cached(("head", level, T), lambda: interp(self.costs["head"][level], T))
+
+    @property
+    def step_overhead(self) -> float:
+        return float(self.costs.get("step_overhead", 0.0))
+
+    @property
+    def ngram_cost(self) -> float:
+        return float(self.costs.get("ngram") or 0.0)
+
+    def _cached(self, key, fn):
+        units = self._memo.setdefault("units", {})
+        if key not in units:
+            units[key] = fn()
+        return units[key]
+
+    def plain_seconds_per_token(self) -> float:
+        return time_per_token([FULL], [], self)
+
+    def at_batch(self, rows: int) -> Calibration:
+        """This calibration as one row of a batch of `rows` rows decoding together sees it: every pass cost measured
+        at T positions becomes the cost of the batch's pass over rows x T positions, shared by its rows
+        (`interp(table, rows * T) / rows`), and the per-pass overhead is shared too; the lookup's cost stays per row
+        (each row looks up its own tokens). The timed passes are one row's, so this reads the batch's pass off the
+        same curve: while rows x T stays in the flat part (the weights' load dominates) a verification of several
+        positions is still nearly free, beyond it (compute-bound) every extra position costs its share, which is why
+        speculation that pays alone can lose in a full batch (attention over each row's own cache scales the same
+        way: rows x T queries over `context` keys). Every formula then prices a row at the batch's marginal costs,
+        and plain decoding at its own (`plain_seconds_per_token()` = the batch's plain step / rows). rows <= 1:
+        this calibration. Memoised per calibration."""
+        rows = int(rows)
+        if rows <= 1:
+            return self
+        memo = self._memo.setdefault("at_batch", {})
+        if rows not in memo:
+            def share(table: dict) -> dict:
+                return {T: interp(table, rows * T) / rows for T in table}
+
+            costs = dict(self.costs)
+            costs["layer"] = share(self.costs["layer"])
+            costs["final"] = share(self.costs["final"])
+            costs["head"] = {k: share(v) for k, v in self.costs.get("head", {}).items()}
+            costs["step_overhead"] = self.step_overhead / rows
+            memo[rows] = replace(self, costs=costs)
+        return memo[rows]
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict:
+        """JSON-safe (int keys become strings)."""
+        return _str_keys({
+            "version": self.version, "machine": dict(self.machine), "dtype": self.dtype, "threads": self.threads,
+            "model": self.model, "costs": self.costs, "acceptance": dict(self.acceptance),
+            "ngram_match": self.ngram_match, "measured": self.measured, "context": self.context,
+            "positions": self.positions, "ngram": self.ngram, "topk": self.topk, "ngram_options": self.ngram_options,
+        })
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Calibration:
+        try:
+            version = int(d.get("version", 0))
+            if version > CALIBRATION_VERSION:
+                raise CalibrationError(f"calibration format version {version} is newer than this hispec "
+                                       f"({CALIBRATION_VERSION}); upgrade hispec or recalibrate")
+            c = d["costs"]
+            costs = {"layer": _int_keys(c["layer"]), "final": _int_keys(c["final"]),
+                     "head": {name: _int_keys(t) for name, t in c.get("head", {}).items()},
+                     "ngram": None if c.get("ngram") is None else float(c["ngram"]),
+                     "step_overhead": float(c.get("step_overhead", 0.0)),
+                     "layer_scale": float(c.get("layer_scale") or 1.0)}
+            model = dict(d["model"])
+            model["exits"] = {k: int(v) for k, v in model.get("exits", {}).items()}
+            return cls(machine=dict(d["machine"]), dtype=str(d["dtype"]), threads=int(d["threads"]), model=model,
+                       costs=costs, acceptance={k: float(v) for k, v in d["acceptance"].items()},
+                       ngram_match=float(d.get("ngram_match", 0.0)), measured=d.get("measured"),
+                       context=int(d.get("context", 0)), positions=int(d.get("positions", 0)), ngram=d.get("ngram"),
+                       topk=None if d.get("topk") is None else {k: [float(x) for x in v]
+                                                                for k, v in d["topk"].items()},
+                       ngram_options=None if d.get("ngram_options") is None else [
+                           {"config": dict(o["config"]), "match": float(o["match"]),
+                            "acceptance": {k: float(v) for k, v in o["acceptance"].items()},
+                            "seconds_per_token": float(o["seconds_per_token"])} for o in d["ngram_options"]],
+                       version=version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"malformed calibration entry ({e!r}); recalibrate (hispec-export ... --calibrate)"
+                                   ) from e
+
+    # ------------------------------------------------------------------ validity
+    def describe_machine(self) -> str:
+        m = self.machine
+        dev = m.get("cuda_name") or m.get("device", "?")
+        return (f"{m.get('cpu', '?')} ({m.get('cpu_capability', '?')}), device {dev}, {self.dtype}, "
+                f"{self.threads} threads, torch {m.get('torch', '?')}, {m.get('linear', packed.STOCK)} linears")
+
+    def check(self, model, *, machine: bool = True) -> None:
+        """Raise `CalibrationError` when this calibration was made for another model (depth, hidden size,
+        vocabulary, type, exits, heads) or, with `machine`, on another kind of machine (CPU model, CPU capability,
+        device / GPU) or in another dtype: its predictions would not hold."""
+        have, want = model_identity(model), self.model
+        diffs = [f"{k}: calibrated {want[k]!r}, model has {have[k]!r}"
+                 for k in ("num_layers", "hidden_size", "vocab_size", "model_type", "exits")
+                 if want.get(k) is not None and want[k] != have[k]]
+        if not diffs and want.get("heads") and want["heads"] != have["heads"]:
+            diffs.append(f"heads: calibrated {want['heads']}, model has {have['heads']}")
+        if diffs:
+            raise CalibrationError("the latency calibration belongs to another model (" + "; ".join(diffs)
+                                   + "); recalibrate on this one (hispec-export ... --calibrate, or "
+                                   "hispec.latency.calibrate)")
+        if not machine:
+            return
+        here = machine_fingerprint(model.device, model)
+        diffs = [f"{k}: calibrated {self.machine.get(k)!r}, here {here[k]!r}"
+                 for k in ("cpu", "cpu_capability", "device", "cuda_name") if self.machine.get(k) != here[k]]
+        if self.machine.get("linear", packed.STOCK) != here["linear"]:  # calibrations before hispec.packed: stock
+            diffs.append(f"linear kernels: calibrated {self.machine.get('linear', packed.STOCK)}, the model runs "
+                         f"{here['linear']} (hispec.load(pack=...), --no-pack)")
+        if _dtype_name(model.dtype) != self.dtype:
+            diffs.append(f"dtype: calibrated {self.dtype}, model runs in {_dtype_name(model.dtype)}")
+        if diffs:
+            raise CalibrationError(f"the latency calibration was measured on another machine or setup "
+                                   f"({self.describe_machine()}): " + "; ".join(diffs)
+                                   + "; its timings do not hold here. Recalibrate on this machine "
+                                   "(hispec.latency.calibrate(model, prompts)) or choose a strategy explicitly")
+
+
+
+# ---------------------------------------------------------------------------------------------- storage
+def write_calibration(folder: str | os.PathLike, cal: Calibration | None) -> Path:
+    """Store `cal` as config.json["hispec"]["calibration"] of the checkpoint `folder` (temporary file +
+    os.replace: a crash leaves the old config); None removes it."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: a calibration is stored in a local hispec checkpoint folder")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(cfg.get("hispec"), dict):
+        raise CalibrationError(f"{path} has no 'hispec' entry: a calibration belongs in a hispec checkpoint")
+    if cal is None:
+        cfg["hispec"].pop("calibration", None)
+    else:
+        cfg["hispec"]["calibration"] = cal.to_dict()
+    write_json(path, cfg)
+    return path
+
+
+def read_calibration(source) -> Calibration | None:
+    """The calibration of a checkpoint, or None when it has none. `source`: an `EarlyExitModel` (its
+    `hispec_config.calibration`), a config.json dict, its "hispec" entry, a calibration dict, or a checkpoint
+    folder / config.json path."""
+    if source is None:
+        return None
+    if isinstance(source, Calibration):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        return read_calibration(json.loads(path.read_text(encoding="utf-8")))
+    if hasattr(source, "hispec_config"):
+        return read_calibration(getattr(source.hispec_config, "calibration", None))
+    if not isinstance(source, dict):
+        raise CalibrationError(f"cannot read a calibration from {type(source).__name__}")
+    if "costs" in source and "acceptance" in source:
+        return Calibration.from_dict(source)
+    if isinstance(source.get("hispec"), dict):
+        source = source["hispec"]
+    cal = source.get("calibration")
+    return None if cal is None else read_calibration(cal)

@@ -1,0 +1,330 @@
+"""The latency model: the predicted time per token of a hierarchy from measured unit costs and acceptance rates,
+and the latency-optimal hierarchy (design.md §3.3).
+
+Contract: `time_per_token(levels, gammas, cal)` prices a hierarchy (levels bottom-up ending with "full", gammas
+with 0 = skip; the level names are `hispec.latency`'s), `best_hierarchy(cal)` finds the fastest one (plain
+decoding always a candidate) and `best_gammas(levels, cal, acceptance)` the best gammas for fixed levels
+(memoised on the calibration). `expected_tokens`, `acceptance_from_counts`, the level names (`level_pairs`,
+`lookup_exit`, `level_name`, `pair_key`) and `interp` are the closed forms the rest of the package shares;
+`CalibrationError` is raised where a calibration lacks an input. Arithmetic on a `Calibration`
+(`hispec.latency.calibration`) only: nothing is measured here, and the formulas are below.
+
+The model (greedy decoding, i.i.d. acceptance). Unit costs, measured per number T of new positions in one pass:
+`layer(T)` one decoder layer (the median time of a pass over all L layers with a KV cache of `context` slots,
+divided by L; every cost table is then fitted non-decreasing in T, so timing noise cannot make more rows cheaper), `head_k(T)` level k's head (norm + adapter + its, possibly reduced, projection, as the decoder calls
+it), `final(T)` the model's final norm + lm_head, `ngram` one lookup, `o` = `step_overhead` the decoder's Python
+bookkeeping per pass. Between measured T the costs are interpolated linearly: a verification of T tokens is NOT T
+one-token steps (on CPUs and GPUs a pass over 8 rows costs little more than over 1). With `e_k` the exit layer of
+level k (e = 0 for "ngram", L for "full") and `E(a, g) = (1 - a^(g+1)) / (1 - a)` the expected tokens a
+verification of g tokens yields (the accepted prefix plus the verifier's own token):
+
+    draft step at the bottom level b:  D_b      = e_b layer(1) + head_b(1) + o                  (1 token)
+    plain decoding ("full" alone):     D_full   = L layer(1) + final(1) + o
+    verification by level k of T-1 tokens gathered by level i (KV + hidden-state reuse: the gathered tokens
+    already ran through layers [0, e_i) when they were drafted, except the newest one):
+                                       V_ik(T)  = e_i layer(1) + (e_k - e_i) layer(T) + head_k(T)
+    per-token time of the sub-hierarchy topped by level k over level i with gamma g, acceptance a = a(i>k):
+                                       T_k      = (g T_i + V_ik(g+1) + o) / E(a, g)
+
+"ngram" as the bottom level i (T_i = the lookup cost c): a lookup proposes g tokens with probability m
+(`ngram_match`) and nothing otherwise. A matched round: level k verifies them in one pass over g+1 positions
+(V_0k(g+1) = e_k layer(g+1) + head_k(g+1): no layer ran on them yet) and yields E(a, g) tokens; a round without a
+match: level k produces 1 token itself from a one-position pass V_0k(1). Per token (a renewal-reward ratio):
+
+                                       T_k      = (c + o + m V_0k(g+1) + (1-m) V_0k(1)) / (1 + m (E(a, g) - 1))
+
+The lookup-first level "ngram|Lk" as the bottom level i (`ngram|EXIT` in the decoder; T_i = D_k, its exit's draft
+step): every round first tries the lookup (cost c per draft step). With probability m it proposes (up to n =
+the calibration's `ngram.max_len` tokens), which level k verifies in one pass V_0k(n+1), yielding E(a_ng, n)
+tokens; otherwise the exit drafts g tokens (tried by the lookup before each) and level k verifies them, V_ik(g+1),
+yielding E(a_ik, g), with a_ik the exit's own rate (pair "Lk>U") and a_ng the n-gram's ("ngram>U"):
+
+            T_k = ((m + (1-m) g) c + m (o + V_0k(n+1)) + (1-m) (g T_i + V_ik(g+1) + o)) / (m E(a_ng, n) + (1-m) E(a_ik, g))
+
+again increasing affine in T_i. m is the n-gram's match rate per round measured under plain verification (a
+round the lookup misses advances one token there, E(a_ik, g) here, so the real rate per round differs a little;
+`auto` feeds the model each row's observed rate).
+
+How this follows Globerson et al. ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705), and
+where it differs: as there, each level's expected output per verification is E(a, g) under i.i.d. acceptance, the
+per-token latency of a hierarchy is a recursion over its levels, and T_k is an increasing affine function of T_i
+(slope g / E > 0), so the best sub-hierarchy topped by level k contains the best sub-hierarchy topped by the level
+below it: the optimum is a shortest path over the candidate levels ordered by depth (the paper's generalized
+shortest path; here a dynamic program over levels x gammas, O(levels^2 x gammas)). Differences: (1) the paper's
+drafters are separate models whose verification pass costs one forward of the verifier; here levels are exits of
+one model sharing a KV cache, so a verification runs only the verifier's own layer range over the gathered
+tokens (plus the lower ranges over the newest token) and its cost depends on T, measured, not assumed flat;
+(2) an n-gram level with a match probability, whose verifier falls back to producing a token itself; (3) a
+measured per-pass overhead; (4) level i gathers exactly g_i tokens here (the decoder verifies when it has at
+least g_i, and a lower level's burst can overshoot; the paper's thresholds have the same effect, the model
+ignores it); (5) acceptance rates are measured top-1 agreements along the full model's own greedy answers
+(teacher-forced), one per pair of levels: greedy decoding only. An n-gram level's acceptance is bursty (copied
+spans are accepted whole, the rest hardly at all); its i.i.d. rate is fitted on the rounds the decoder would run
+(with proposals of up to `NgramConfig.max_len`), which keeps E(a, g) per matched round close to the real mean.
+Costs of sampling (probability rows, rejection sampling) are not modelled. Under sampling the decoder's own
+policy (`strategy="auto"`) feeds the model the acceptance it observes per row, so a sequence-level rule (HSD), which
+accepts more per verification, enters as a higher observed rate; the calibration itself is greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .calibration import Calibration
+
+NGRAM, FULL = "ngram", "full"
+LOOKUP = "ngram|"  # "ngram|L4": the lookup-first exit level (the n-gram lookup, the exit where it finds nothing)
+DEFAULT_MAX_GAMMA = 8
+
+
+class CalibrationError(ValueError):
+    """A calibration is missing, malformed, or belongs to another model or machine; the message says which."""
+
+
+# ---------------------------------------------------------------------------------------------- closed forms
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens from one verification of `gamma` drafts with i.i.d. acceptance `alpha`: the accepted prefix
+    plus the verifier's own token, `(1 - alpha^(gamma+1)) / (1 - alpha)`; gamma 0 -> 1, alpha 1 -> gamma + 1."""
+    if gamma <= 0:
+        return 1.0
+    alpha = min(max(float(alpha), 0.0), 1.0)
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def acceptance_from_counts(accepted: int, proposed: int, rejections: int) -> float | None:
+    """The i.i.d. maximum-likelihood acceptance rate from verification rounds: `accepted / (accepted + rejections)`.
+
+    A round that checked m proposals and accepted a of them contributes a acceptances and one rejection when
+    a < m (a round that accepted all, or whose walk was cut short, is censored: no rejection). `proposed` (the
+    tokens put up for verification, >= accepted + rejections) only guards the counts. None when nothing was
+    observed (accepted + rejections == 0): no evidence, use a prior such as the calibration's rate."""
+    if min(accepted, proposed, rejections) < 0 or accepted + rejections > proposed:
+        raise ValueError(f"inconsistent counts: accepted {accepted} + rejections {rejections} > proposed {proposed}")
+    n = accepted + rejections
+    return accepted / n if n else None
+
+
+def lookup_exit(level: str) -> str | None:
+    """The exit level of a lookup-first level ("ngram|L4" -> "L4"), else None."""
+    return level[len(LOOKUP):] if level.startswith(LOOKUP) else None
+
+
+def level_pairs(lower: str, upper: str) -> list[str]:
+    """The acceptance rates a verification of `lower`'s tokens by `upper` depends on: one pair, or for a lookup-first
+    level its exit's and the n-gram's ("ngram|L4", "full" -> ["L4>full", "ngram>full"])."""
+    exit_level = lookup_exit(lower)
+    return [pair_key(lower, upper)] if exit_level is None else [pair_key(exit_level, upper), pair_key(NGRAM, upper)]
+
+
+def level_name(layer: int) -> str:
+    return f"L{int(layer)}"
+
+
+def pair_key(lower: str, upper: str) -> str:
+    return f"{lower}>{upper}"
+
+
+def interp(table: dict, T: int) -> float:
+    """A cost measured at some T (`{T: seconds}`) at any T: linear between measured points, the last segment's
+    slope (>= 0) beyond them, the first value below them."""
+    if T in table:
+        return table[T]
+    keys = sorted(table)
+    if T < keys[0]:
+        return table[keys[0]]
+    if T > keys[-1]:
+        if len(keys) == 1:
+            return table[keys[0]] * T / keys[0]
+        a, b = keys[-2], keys[-1]
+        return table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (T - b)
+    lo = max(k for k in keys if k <= T)
+    hi = min(k for k in keys if k >= T)
+    return table[lo] + (table[hi] - table[lo]) * (T - lo) / (hi - lo)
+
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _alpha(cal: Calibration, acceptance: dict | None, key: str) -> float:
+    """The acceptance rate of the pair `key` ("L4>full"): `acceptance`'s, else the calibration's."""
+    if acceptance and acceptance.get(key) is not None:
+        return float(acceptance[key])
+    if key not in cal.acceptance:
+        raise CalibrationError(f"no acceptance rate for {key} in the calibration (it has {sorted(cal.acceptance)})")
+    return float(cal.acceptance[key])
+
+
+def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float:
+    """V_ik(T): level `upper` verifies T-1 tokens gathered by `lower` (None / "ngram": no layer ran on them)."""
+    e_lo = 0 if lower is None else cal.depth(lower)
+    e_hi = cal.depth(upper)
+    return e_lo * cal.layer_cost(1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
+
+
+def _draft_cost(cal: Calibration, level: str) -> float:
+    """D_b: one token from the bottom level's own one-position pass (a lookup-first level: its exit's)."""
+    return _pass_cost(cal, None, level, 1) + cal.step_overhead
+
+
+def _bottom_cost(cal: Calibration, level: str) -> float:
+    """T of a bottom level: an n-gram lookup, else one draft step."""
+    return cal.ngram_cost if level == NGRAM else _draft_cost(cal, level)
+
+
+def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acceptance: dict | None,
+          match: float) -> float:
+    """T_upper from T_lower (increasing affine in t_lower; see the module docstring)."""
+    o = cal.step_overhead
+    alpha = _alpha(cal, acceptance, level_pairs(lower, upper)[0])
+    E = expected_tokens(alpha, g)
+    if lookup_exit(lower) is not None:
+        m, c, n = min(max(match, 0.0), 1.0), cal.ngram_cost, cal.ngram_max_len
+        a_n = _alpha(cal, acceptance, pair_key(NGRAM, upper))
+        served = o + _pass_cost(cal, None, upper, n + 1)  # the lookup's n tokens verified in one pass
+        drafted = g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o  # the exit's g tokens, then verified
+        return ((m + (1 - m) * g) * c + m * served + (1 - m) * drafted) / (m * expected_tokens(a_n, n) + (1 - m) * E)
+    if lower == NGRAM:
+        m = min(max(match, 0.0), 1.0)
+        return ((t_lower + o + m * _pass_cost(cal, None, upper, g + 1) + (1 - m) * _pass_cost(cal, None, upper, 1))
+                / (1 + m * (E - 1)))
+    return (g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o) / E
+
+
+def _check_levels(cal: Calibration, levels) -> list[str]:
+    levels = list(levels)
+    if not levels or levels[-1] != FULL:
+        raise ValueError(f"a hierarchy ends with 'full' (the model), got {levels}")
+    if any(lookup_exit(lv) is not None for lv in levels[1:]):
+        raise ValueError(f"a lookup-first level ({LOOKUP}EXIT) can only be the bottom level, got {levels}")
+    depths = [cal.depth(lv) for lv in levels]  # raises for unknown levels
+    if any(a >= b for a, b in zip(depths, depths[1:])):
+        raise ValueError(f"levels must be ordered by strictly increasing depth, got {levels}")
+    return levels
+
+
+def _active(levels: list[str], gammas) -> tuple[list[str], list[int]]:
+    """The levels that run under `gammas` (0 at level i: level i+1 is the bottom) and their gammas."""
+    gammas = list(gammas)
+    if len(gammas) != len(levels) - 1:
+        raise ValueError(f"{len(levels)} levels need {len(levels) - 1} gammas, got {gammas}")
+    if any(not isinstance(g, int) or isinstance(g, bool) or g < 0 for g in gammas):
+        raise ValueError(f"gammas must be integers >= 0 (0 = skip the level), got {gammas}")
+    start = max((i + 1 for i, g in enumerate(gammas) if g == 0), default=0)
+    return levels[start:], gammas[start:]
+
+
+def time_per_token(levels, gammas, cal: Calibration, acceptance: dict | None = None,
+                   ngram_match: float | None = None) -> float:
+    """Predicted seconds per generated token of the hierarchy `levels` with `gammas` (0 = skip, see the module
+    docstring). `acceptance` overrides the calibration's rates per pair ("L4>L8": 0.4, ...), `ngram_match` its
+    n-gram match rate."""
+    levels, gammas = _active(_check_levels(cal, levels), gammas)
+    match = cal.ngram_match if ngram_match is None else ngram_match
+    t = _bottom_cost(cal, levels[0])
+    for i in range(1, len(levels)):
+        t = _step(cal, levels[i - 1], levels[i], gammas[i - 1], t, acceptance, match)
+    return t
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A hierarchy with its gammas and its predicted latency."""
+
+    levels: tuple[str, ...]
+    gammas: tuple[int, ...]
+    seconds_per_token: float
+    speedup_vs_plain: float
+
+    @property
+    def name(self) -> str:
+        return ">".join(self.levels)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1.0 / self.seconds_per_token if self.seconds_per_token > 0 else math.inf
+
+    def as_dict(self) -> dict:
+        return {"levels": list(self.levels), "gammas": list(self.gammas), "seconds_per_token": self.seconds_per_token,
+                "tokens_per_second": self.tokens_per_second, "speedup_vs_plain": self.speedup_vs_plain}
+
+
+def _choice(cal: Calibration, levels, gammas, t: float) -> Choice:
+    return Choice(tuple(levels), tuple(gammas), t, cal.plain_seconds_per_token() / t)
+
+
+def best_hierarchy(cal: Calibration, candidates=None, max_gamma: int = DEFAULT_MAX_GAMMA,
+                   acceptance: dict | None = None, *, speculative_only: bool = False) -> Choice:
+    """The latency-optimal hierarchy over `candidates` (default: every level of the calibration) with gammas in
+    1..max_gamma. Dynamic program over levels by depth: best[k] = min(k drafting alone, min over lower i and g of
+    T_k(best[i])), exact because T_k is increasing in T_i. Plain decoding (["full"]) is always a candidate, unless
+    `speculative_only` (the best hierarchy with at least one level below the model, even if slower than plain)."""
+    if max_gamma < 1:
+        raise ValueError(f"max_gamma must be >= 1, got {max_gamma}")
+    cands = sorted(set(candidates or cal.levels) | {FULL}, key=cal.depth)
+    if speculative_only and cands == [FULL]:
+        raise ValueError("speculative_only needs a candidate level below 'full'")
+    match = cal.ngram_match
+    best: dict[str, tuple[float, list[str], list[int]]] = {}
+    for k in cands:
+        if k == NGRAM or lookup_exit(k) is not None:  # bottom levels only
+            best[k] = (_bottom_cost(cal, k), [k], [])
+            continue
+        top = (math.inf if speculative_only and k == FULL else _draft_cost(cal, k), [k], [])
+        for i in cands:
+            if cal.depth(i) >= cal.depth(k):
+                continue
+            t_i, lv, gm = best[i]
+            for g in range(1, max_gamma + 1):
+                t = _step(cal, i, k, g, t_i, acceptance, match)
+                if t < top[0]:
+                    top = (t, lv + [k], gm + [g])
+        best[k] = top
+    t, lv, gm = best[FULL]
+    return _choice(cal, lv, gm, t)
+
+
+def _best_chain(cal: Calibration, levels: list[str], acceptance: dict | None, match: float, max_gamma: int
+                ) -> tuple[float, list[int]]:
+    """The best gammas (all >= 1) for a fixed chain: per level bottom-up (T_k is increasing in T_{k-1})."""
+    t = _bottom_cost(cal, levels[0])
+    gammas = []
+    for i in range(1, len(levels)):
+        lo, hi = levels[i - 1], levels[i]
+        t, g = min((_step(cal, lo, hi, g, t, acceptance, match), g) for g in range(1, max_gamma + 1))
+        gammas.append(g)
+    return t, gammas
+
+
+def best_gammas(levels, cal: Calibration, acceptance: dict | None = None, max_gamma: int = DEFAULT_MAX_GAMMA,
+                ngram_match: float | None = None, margin: float = 0.0) -> list[int]:
+    """The best gammas for the fixed hierarchy `levels`, each in 0..max_gamma (0 = skip: the level above drafts
+    itself; all zeros = plain decoding), given acceptance rates per pair (missing pairs: the calibration's).
+    Speculation is chosen only when its predicted time per token is below (1 - `margin`) of plain decoding's: a
+    margin of a few % keeps a caller off speculation whose predicted gain is within the model's error.
+    Rates are rounded to 0.01 and the answer memoised on the calibration, so calling it every few rounds per row
+    costs a dict lookup."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    levels = _check_levels(cal, levels)
+    match = cal.ngram_match if ngram_match is None else ngram_match
+    pairs = {p for i, a in enumerate(levels) for b in levels[i + 1:] for p in level_pairs(a, b)}
+    acc = {p: round(float(acceptance[p]), 2) for p in pairs if acceptance and acceptance.get(p) is not None}
+    key = ("best_gammas", tuple(levels), tuple(sorted(acc.items())), round(match, 2), max_gamma, margin)
+    memo = cal._memo.setdefault("best_gammas", {})
+    if key in memo:
+        return list(memo[key])
+    K = len(levels) - 1
+    best_t, best = _draft_cost(cal, FULL) * (1 - margin), [0] * K  # plain decoding, less the margin
+    for start in range(K - 1, -1, -1):  # the bottom level: shallower bottoms only when strictly better
+        chain = levels[start:]
+        t, gm = _best_chain(cal, chain, acc, round(match, 2), max_gamma)
+        if t < best_t * (1 - 1e-9):
+            best_t, best = t, [0] * start + gm
+    if len(memo) > 4096:
+        memo.clear()
+    memo[key] = tuple(best)
+    return best

@@ -1,0 +1,148 @@
+"""Timing the latency model's unit costs on this machine.
+
+Contract: `measure_costs(model, rows, context)` returns {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}
+for an `EarlyExitModel`: medians of interleaved timings (`median_times`, `time.perf_counter`) of passes over T new
+positions behind a KV cache of `context` random positions (`KVBench`, which rolls every timed pass back), each
+table fitted non-decreasing in T (`nondecreasing`); `measure_layer_costs` is the per-layer table alone (raw
+medians). Only unit costs are measured here; the rest of a calibration is `hispec.latency.measure`'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..heads import ContextInputs
+from .model import DEFAULT_MAX_GAMMA, level_name
+
+
+def median_times(fns: dict, repeats: int) -> dict:
+    """Median wall time of each callable, interleaved round by round (drift hits all alike), after a warm-up."""
+    for fn in fns.values():
+        fn()
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+class KVBench:
+    """A KV cache of `context` random positions through every layer (and the exit heads' own layers), to time
+    passes over T new positions after it; every timed call rolls its positions back."""
+
+    def __init__(self, model, context: int = 256, seed: int = 0):
+        self.model = model
+        ad = self.adapter = model.adapter
+        self.context = context
+        self.gen = torch.Generator().manual_seed(seed)
+        stateful = getattr(model, "stateful_heads", False)
+        heads = getattr(model, "heads", {})
+        self.cache = ad.new_cache(1, extra=2 if stateful else 0)
+        ids = torch.randint(0, ad.vocab_size, (1, context), generator=self.gen).to(ad.device)
+        pos = torch.arange(context, device=ad.device)[None]
+        valid = torch.ones_like(pos, dtype=torch.bool)
+        with torch.no_grad():
+            h = ad.run_layers(ad.embed(ids, pos), 0, ad.num_layers, position_ids=pos, cache=self.cache, valid=valid)
+            for head in (heads.values() if stateful else ()):
+                ad.run_module(head.layer, head.layer_type, h, cache_index=head.cache_index, position_ids=pos,
+                              cache=self.cache, valid=valid)
+        self.keep = torch.tensor([context], device=ad.device)
+
+    def hidden(self, T: int) -> torch.Tensor:
+        ad = self.adapter
+        return torch.randn(1, T, ad.hidden_size, generator=self.gen).to(ad.device, ad.dtype)
+
+    def _pos(self, T):
+        ad = self.adapter
+        return (self.context + torch.arange(T, device=ad.device)[None],
+                torch.ones(1, T, dtype=torch.bool, device=ad.device))
+
+    def layers(self, T: int, start: int = 0, end: int | None = None):
+        """A callable: layers [start, end) over T new positions, then rolled back."""
+        ad, end = self.adapter, self.adapter.num_layers if end is None else end
+        x, (pos, valid) = self.hidden(T), self._pos(T)
+
+        def run():
+            with torch.no_grad():
+                ad.run_layers(x, start, end, position_ids=pos, cache=self.cache, valid=valid)
+            self.cache.truncate(start, end, self.keep)
+
+        return run
+
+    def head(self, exit_name: str, T: int):
+        """A callable: exit head `exit_name` over T positions, as the decoder calls it (logits included)."""
+        model, ad = self.model, self.adapter
+        x, (pos, valid) = self.hidden(T), self._pos(T)
+        head = model.heads[exit_name]
+
+        def run_layer(module, hidden):
+            return ad.run_module(module, head.layer_type, hidden, cache_index=head.cache_index, position_ids=pos,
+                                 cache=self.cache, valid=valid)
+
+        ctx = None
+        if head.needs_context:  # its window of states: the cost depends on the window, not on the context length
+            S = self.context + T
+            states = [torch.randn(1, S, ad.hidden_size, generator=self.gen).to(ad.device, ad.dtype)
+                      for _ in head.context_layers]
+            avail = [pos[:, -1] + 1 if L == head.context_layers[0] else pos[:, 0] for L in head.context_layers]
+            ctx = ContextInputs(states=states, avail=avail, query_pos=pos, layers=list(head.context_layers))
+
+        def run():
+            with torch.no_grad():
+                model.exit_logits(exit_name, x, run_layer=run_layer if head.stateful else None, context=ctx)
+            if head.stateful:
+                self.cache.truncate(head.cache_index, head.cache_index + 1, self.keep)
+
+        return run
+
+    def final(self, T: int):
+        ad, x = self.adapter, self.hidden(T)
+
+        def run():
+            with torch.no_grad():
+                ad.final_logits(x)
+
+        return run
+
+
+def nondecreasing(table: dict) -> dict:
+    """The least-squares non-decreasing fit of `{T: seconds}` (pool adjacent violators): a pass over more positions
+    is not cheaper than over fewer, so a dip between measured T is timing noise (shared or busy cores)."""
+    keys = sorted(table)
+    blocks: list[list[float]] = []  # [sum, count]
+    for k in keys:
+        blocks.append([table[k], 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    values = [b[0] / b[1] for b in blocks for _ in range(b[1])]
+    return dict(zip(keys, values))
+
+
+def measure_layer_costs(model, rows=(1, 2, 4, 8), context: int = 256, repeats: int = 10,
+                        bench: KVBench | None = None) -> dict:
+    """{T: seconds of one decoder layer over T new positions}: a pass over all layers / depth (not one layer
+    timed alone, whose weights would stay in cache between repeats). Raw medians, not smoothed."""
+    bench = bench or KVBench(model, context)
+    L = model.adapter.num_layers
+    return {T: t / L for T, t in median_times({T: bench.layers(T) for T in rows}, repeats).items()}
+
+
+def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: int = 256, repeats: int = 10) -> dict:
+    """Unit costs of an `EarlyExitModel`: {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}, medians
+    of `repeats` interleaved timings, each made non-decreasing in T (`nondecreasing`)."""
+    bench = KVBench(model, context)
+    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    fns = {("final", T): bench.final(T) for T in rows}
+    fns.update({(name, T): bench.head(name, T) for name in exits for T in rows})
+    t = median_times(fns, repeats)
+    return {"layer": nondecreasing(measure_layer_costs(model, rows, context, repeats, bench)),
+            "head": {level_name(layer): nondecreasing({T: t[(name, T)] for T in rows})
+                     for name, layer in exits.items()},
+            "final": nondecreasing({T: t[("final", T)] for T in rows})}

@@ -1,0 +1,162 @@
+"""The latency model of static tree drafts (`hispec.tree`): their predicted time per token and the best tree.
+
+Contract: `tree_time_per_token(widths, cal, level)` is R(tree) / E(tree) below, also for the lookup-first exit
+(`lookup=True`), the one pricing of trees; `best_tree(cal)` the fastest shape of `tree_shapes` (memoised);
+`scaled_topk` moves calibrated top-k rates to an observed top-1 rate. Trees need the calibration's top-k rates
+(`Calibration.topk`, k = 1..MAX_TREE_WIDTH; `CalibrationError` without them); `TREE_ROWS` are the pass sizes
+`calibrate` times for tree verifications. The chain terms (unit costs, V_0k, E(a, g)) are `hispec.latency.model`'s.
+
+Static tree drafts (`hispec.tree`, widths k_1..k_D per depth, n_d = k_1...k_d nodes at depth d, N = sum n_d) under
+the full model, drafted by exit level b (depth e): a round drafts depth 1 from the pending position, depth d+1 from
+the n_d nodes of depth d, runs the draft layers over the leaves and then the rest of the model over the pending
+position and all N nodes at once:
+
+    R(tree) = e layer(1) + head_b(1) + o  +  sum_{d<D} (e layer(n_d) + head_b(n_d) + o)
+              + e layer(n_D) + (L - e) layer(N + 1) + final(N + 1) + o
+    E(tree) = 1 + sum_{d=1..D} prod_{j<=d} r_b(k_j),         T_tree = R(tree) / E(tree)
+
+with r_b(k) the share of answer positions where the model's argmax is among level b's top-k (`topk`, measured
+like the top-1 agreement; r_b(1) = a(b>full)). A tree of widths [1]*g is the chain of gamma g: R and E reduce to
+the chain's terms exactly. The i.i.d. assumption carries over (a node's children are judged by the same rate
+whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass, and dynamic
+trees are not modelled. The lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
+round kinds as the lookup-first formula (`hispec.latency.model`) does, the exit's chain round replaced by R(tree)
+and E(tree).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .model import FULL, NGRAM, CalibrationError, _alpha, _pass_cost, expected_tokens, level_name, pair_key
+
+if TYPE_CHECKING:
+    from .calibration import Calibration
+
+MAX_TREE_WIDTH = 8  # top-k rates measured by `calibrate` (k = 1..MAX_TREE_WIDTH)
+TREE_ROWS = (16, 24, 32)  # pass sizes timed beyond the chains' for tree verifications (interpolated between)
+
+
+def _topk_rates(cal: Calibration, level: str, topk: dict | None) -> list[float]:
+    key = pair_key(level, FULL)
+    rates = (topk or {}).get(key) or (cal.topk or {}).get(key)
+    if not rates:
+        raise CalibrationError(f"no top-k agreement for {key} in the calibration (made before tree drafts were "
+                               f"modelled); recalibrate (hispec-export ... --calibrate)")
+    return [float(r) for r in rates]
+
+
+def tree_expected_tokens(widths, rates) -> float:
+    """Expected tokens of one static tree round (greedy, i.i.d.): `1 + sum_d prod_{j<=d} r(k_j)`, with `rates[k-1]`
+    = r(k) the chance that the model's argmax is among the draft's top-k (widths beyond the measured k use the
+    largest measured k: a lower bound)."""
+    if not rates:
+        raise ValueError("rates must hold r(1) at least")
+    e, p = 1.0, 1.0
+    for k in widths:
+        p *= min(max(float(rates[min(int(k), len(rates)) - 1]), 0.0), 1.0)
+        e += p
+    return e
+
+
+def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
+    """R(tree): the predicted seconds of one static tree round drafted by `level` (see the module docstring);
+    memoised per calibration (`auto` prices its tree for every row before every round)."""
+    def compute():
+        e, L, o = cal.depth(level), cal.num_layers, cal.step_overhead
+        counts, n = [], 1
+        for k in widths:
+            n *= int(k)
+            counts.append(n)
+        t = e * cal.layer_cost(1) + cal.head_cost(level, 1) + o
+        for nd in counts[:-1]:
+            t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
+        N = sum(counts)
+        return t + e * cal.layer_cost(counts[-1]) + (L - e) * cal.layer_cost(N + 1) + cal.head_cost(FULL, N + 1) + o
+
+    return cal._cached(("tree_round", tuple(int(k) for k in widths), level), compute)
+
+
+def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk: dict | None = None, *,
+                        lookup: bool = False, acceptance: dict | None = None, match: float | None = None) -> float:
+    """Predicted seconds per token of static tree drafts with `widths` (e.g. [4, 2, 1]) by exit `level` (default:
+    the draft exit) under the full model, R(tree) / E(tree); `topk` overrides the calibration's top-k rates
+    ({"L4>full": [...]}).
+
+    `lookup`: the lookup-first exit with trees (`ngram|EXIT` drafting `widths` where the lookup finds nothing;
+    `hispec.tree._lookup_first`): the lookup-first formula of `hispec.latency.model` with the exit's chain round
+    replaced by a tree round,
+
+        T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),
+
+    m the match rate (`match`, else the calibration's), a_ng the n-gram's rate ("ngram>full": `acceptance`'s, else
+    the calibration's); without `lookup`, `acceptance` and `match` are unused. The one pricing of trees:
+    `best_tree`, `auto`'s per-row choice and the bench use it."""
+    widths = list(widths)
+    if not widths or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in widths):
+        raise ValueError(f"tree widths must be a non-empty list of integers >= 1, got {widths}")
+    level = level or level_name(cal.model["exits"]["draft"])
+    if level in (NGRAM, FULL):
+        raise ValueError(f"tree drafts come from an exit level, got {level!r}")
+    e_tree = tree_expected_tokens(widths, _topk_rates(cal, level, topk))
+    round_s = tree_round_seconds(widths, cal, level)
+    if not lookup:
+        return round_s / e_tree
+    m = min(max(cal.ngram_match if match is None else float(match), 0.0), 1.0)
+    n, o = cal.ngram_max_len, cal.step_overhead
+    a_n = _alpha(cal, acceptance, pair_key(NGRAM, FULL))
+    served = o + _pass_cost(cal, None, FULL, n + 1)
+    return (cal.ngram_cost + m * served + (1 - m) * round_s) / (m * expected_tokens(a_n, n) + (1 - m) * e_tree)
+
+
+def tree_shapes(max_depth: int, max_nodes: int, max_width: int) -> list[list[int]]:
+    """Every static tree with non-increasing widths <= `max_width`, depth <= `max_depth`, <= `max_nodes` nodes."""
+    out = []
+
+    def grow(widths, nodes, last):
+        if widths:
+            out.append(list(widths))
+        if len(widths) == max_depth:
+            return
+        n_last = math.prod(widths) if widths else 1
+        for k in range(1, last + 1):
+            if nodes + n_last * k <= max_nodes:
+                grow(widths + [k], nodes + n_last * k, k)
+
+    grow([], 0, max_width)
+    return out
+
+
+def scaled_topk(rates, top1: float) -> list[float]:
+    """A level's calibrated top-k rates moved to an observed top-1 rate `top1` (a row's estimate under `auto`):
+    r'(k) = r(k) * top1 / r(1), clipped to [0, 1]. A head that stops finding the model's argmax at its top-1 is
+    taken to lose its top-k hits in proportion. `auto` uses it for sampled trees, where only the top-1
+    acceptance is observed exactly; greedy rows count their own top-k hits instead. Without a calibrated
+    r(1) > 0 the rates are returned unchanged."""
+    rates = [float(r) for r in rates]
+    if not rates or rates[0] <= 0:
+        return rates
+    f = float(top1) / rates[0]
+    return [min(max(r * f, 0.0), 1.0) for r in rates]
+
+
+def best_tree(cal: Calibration, level: str | None = None, max_depth: int = 5, max_nodes: int = 64,
+              topk: dict | None = None, *, lookup: bool = False) -> tuple[list[int], float]:
+    """The static tree (widths non-increasing with depth, each <= MAX_TREE_WIDTH, at most `max_nodes` nodes) with
+    the lowest predicted seconds per token, and that time; `lookup`: drafted by the lookup-first exit
+    (`tree_time_per_token(..., lookup=True)`). Exhaustive over the (few hundred) shapes; memoised."""
+    level = level or level_name(cal.model["exits"]["draft"])
+    rates = _topk_rates(cal, level, topk)
+    key = ("best_tree", level, tuple(round(r, 3) for r in rates), max_depth, max_nodes, lookup)
+    memo = cal._memo.setdefault("best_tree", {})
+    if key in memo:
+        return list(memo[key][0]), memo[key][1]
+    topk = {pair_key(level, FULL): rates}
+    best = (None, math.inf)
+    for widths in tree_shapes(max_depth, max_nodes, min(MAX_TREE_WIDTH, len(rates))):
+        t = tree_time_per_token(widths, cal, level, topk, lookup=lookup)
+        if t < best[1]:
+            best = (widths, t)
+    memo[key] = (tuple(best[0]), best[1])
+    return best

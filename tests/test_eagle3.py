@@ -1,0 +1,190 @@
+"""The EAGLE-3 drafter (hispec.eagle3) and its training loss (hispec.distill.drafter), on tiny random targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hispec.distill.drafter import DrafterCollator, DrafterForTraining, draft_vocab_from_cache, summarize, ttt_loss
+from hispec.eagle3 import (
+    Eagle3Config, Eagle3Drafter, default_aux_layers, is_drafter_run, load_drafter, save_drafter,
+)
+from hispec.model import base_identity
+from tiny import FAMILIES, tiny_model
+
+
+def _drafter(target, draft_vocab_size=None, seed=0, aux_layers=None):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.for_target(target.config, aux_layers=aux_layers, draft_vocab_size=draft_vocab_size)
+    d = Eagle3Drafter(cfg).eval()
+    if draft_vocab_size:
+        d.set_draft_vocab(torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[
+            :draft_vocab_size])
+    return d
+
+
+def _aux_states(target, ids, layers):
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in layers], -1)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_incremental_draft_steps_equal_the_training_time_test(family):
+    """Decoding (step 0 over the context, then one position per step on the stored keys) gives the logits that
+    training-time test computes for the same entry: what the drafter learns is what it drafts with."""
+    target = tiny_model(family)
+    if family == "opt":  # word_embed_proj_dim 16 != hidden 32
+        with pytest.raises(ValueError, match="embeds tokens in 16 dimensions, not its hidden size 32"):
+            _drafter(target)
+        return
+    d = _drafter(target, draft_vocab_size=40)
+    B, T, j = 2, 9, 5
+    ids = torch.randint(0, target.config.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1))
+    aux = _aux_states(target, ids[:, :T], d.config.aux_layers)
+    emb = target.get_input_embeddings()
+    with torch.no_grad():
+        ttt = d.ttt_logits(aux, emb, ids[:, 1:], steps=3)
+        pos = torch.arange(1, T + 1).expand(B, T)
+        r = d.step(emb(ids[:, 1:j + 2]), d.fuse(aux[:, :j + 1]), pos[:, :j + 1])
+        torch.testing.assert_close(r.logits, ttt[0][:, :j + 1], rtol=1e-5, atol=1e-5)
+        past, h = (r.key, r.value), r.hidden[:, j:j + 1]
+        for s in (1, 2):
+            mask = torch.ones(B, 1, past[0].shape[2] + 1, dtype=torch.bool)
+            r = d.step(emb(ids[:, j + 1 + s:j + 2 + s]), h, pos[:, j:j + 1] + s, past, mask)
+            torch.testing.assert_close(r.logits[:, 0], ttt[s][:, j], rtol=1e-5, atol=1e-5)
+            past = (torch.cat([past[0], r.key], 2), torch.cat([past[1], r.value], 2))
+            h = r.hidden
+
+
+def test_right_padding_does_not_change_real_positions():
+    target = tiny_model("llama")
+    d = _drafter(target)
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(2))
+    aux = _aux_states(target, ids, d.config.aux_layers)
+    emb = target.get_input_embeddings()
+    with torch.no_grad():
+        alone = d.ttt_logits(aux[:, :5], emb, ids[:, 1:6], steps=2)
+        valid = torch.tensor([[True] * 5 + [False] * 3])
+        padded = d.ttt_logits(aux, emb, torch.cat([ids[:, 1:6], torch.zeros(1, 3, dtype=torch.long)], 1), 2, valid)
+    # step s reads teacher-forced tokens up to entry 5 - s; entries whose tokens all lie inside agree
+    torch.testing.assert_close(padded[0][:, :5], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded[1][:, :4], alone[1][:, :4], rtol=1e-5, atol=1e-5)
+
+
+def test_draft_vocabulary_maps_draft_ids_back_to_target_ids():
+    d = _drafter(tiny_model("llama"), draft_vocab_size=10)
+    chosen = torch.tensor([3, 96, 0, 50, 7, 8, 9, 11, 12, 40])
+    d.set_draft_vocab(chosen)
+    assert torch.equal(d.draft_token_ids(), chosen.sort().values)
+    assert torch.equal(d.to_target(torch.arange(10)), chosen.sort().values)
+    assert int(d.t2d.sum()) == 10 and bool(d.t2d[96]) and not bool(d.t2d[1])
+    with pytest.raises(ValueError, match="needs 10 distinct ids"):
+        d.set_draft_vocab(torch.tensor([1, 1, 2]))
+    full = _drafter(tiny_model("llama"))
+    assert full.d2t is None and full.draft_token_ids() is None
+    assert torch.equal(full.to_target(torch.tensor([5])), torch.tensor([5]))
+
+
+def test_init_from_target_copies_the_draft_rows_of_the_lm_head():
+    target = tiny_model("llama")
+    d = _drafter(target, draft_vocab_size=12)
+    d.init_from_target(target.lm_head.weight, target.model.norm.weight)
+    assert torch.equal(d.lm_head.weight, target.lm_head.weight[d.draft_token_ids()])
+    assert torch.equal(d.norm.weight, target.model.norm.weight)
+
+
+def test_bad_shapes_are_refused_with_what_to_choose():
+    cfg = tiny_model("llama").config
+    with pytest.raises(ValueError, match="out of range for a 6-layer target"):
+        Eagle3Config.for_target(cfg, aux_layers=[1, 7])
+    with pytest.raises(ValueError, match="distinct"):
+        Eagle3Config.for_target(cfg, aux_layers=[2, 2])
+    with pytest.raises(ValueError, match="distinct"):
+        Eagle3Config.for_target(cfg, aux_layers=[])
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        Eagle3Config.for_target(cfg, draft_vocab_size=1000)
+    assert default_aux_layers(30) == [2, 15, 27] and default_aux_layers(6) == [1, 3, 5]
+
+
+def test_save_and_load_keep_the_drafter_and_refuse_newer_formats(tmp_path):
+    target = tiny_model("qwen2")
+    d = _drafter(target, draft_vocab_size=30)
+    save_drafter(d, tmp_path / "run", base=base_identity(target), extra={"ttt_steps": 3})
+    assert is_drafter_run(tmp_path / "run") and not is_drafter_run(tmp_path)
+    back, meta = load_drafter(tmp_path / "run")
+    assert meta["ttt_steps"] == 3 and back.config == d.config
+    for k, v in d.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    import json
+
+    p = tmp_path / "run" / "hispec_drafter.json"
+    data = json.loads(p.read_text())
+    data["config"]["version"] = 99
+    p.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="newer hispec"):
+        load_drafter(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="holds no EAGLE-3 drafter"):
+        load_drafter(tmp_path)
+
+
+def _cache_items(target, lengths, k=8, aux_layers=(1, 3, 5), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for n in lengths:
+        ids = torch.randint(0, target.config.vocab_size, (n,), generator=g)
+        with torch.no_grad():
+            out = target(ids[None], output_hidden_states=True)
+        v, i = out.logits[0].log_softmax(-1).topk(k)
+        item = {"input_ids": ids, "loss_mask": torch.ones(n, dtype=torch.bool), "teacher_topk_ids": i,
+                "teacher_topk_logprobs": v}
+        for layer in aux_layers:
+            item[f"hidden.{layer}"] = out.hidden_states[layer][0]
+        items.append(item)
+    return items
+
+
+def test_collator_aligns_entry_j_with_token_j_plus_1_and_teacher_j_plus_1_plus_s():
+    target = tiny_model("llama")
+    items = _cache_items(target, [6, 4])
+    items[0]["loss_mask"][3] = False
+    b = DrafterCollator([1, 3, 5], steps=2)(items)
+    assert b["aux"].shape == (2, 5, 3 * 32) and b["topk_ids"].shape == (2, 5, 2, 8)
+    assert torch.equal(b["input_ids"][0], items[0]["input_ids"][1:])
+    assert torch.equal(b["aux"][0, :, 32:64], items[0]["hidden.3"][:5])
+    assert torch.equal(b["topk_ids"][0, 2, 1], items[0]["teacher_topk_ids"][4])  # j=2, s=1 -> position 4
+    assert b["loss_mask"][0, :, 0].tolist() == [True, True, False, True, True]  # position 3 is outside the loss
+    assert b["loss_mask"][0, :, 1].tolist() == [True, False, True, True, False]  # the last entry has no step 1
+    assert b["valid"][1].tolist() == [True, True, True, False, False]
+    assert not b["loss_mask"][1, 3:].any()
+
+
+def test_ttt_training_learns_the_teacher_and_chains_agreement():
+    target = tiny_model("llama")
+    d = _drafter(target, draft_vocab_size=60, seed=3)
+    d.init_from_target(target.lm_head.weight, target.model.norm.weight)
+    batch = DrafterCollator(d.config.aux_layers, steps=3)(_cache_items(target, [20, 15, 18]))
+    model = DrafterForTraining(d, target.get_input_embeddings()).train()
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    first = ttt_loss(model, batch, steps=3, decay=0.8)
+    for _ in range(150):
+        r = ttt_loss(model, batch, steps=3, decay=0.8)
+        opt.zero_grad()
+        r.loss.backward()
+        opt.step()
+    last = ttt_loss(model, batch, steps=3, decay=0.8)
+    assert last.loss.item() < 0.8 * first.loss.item()
+    assert last.top1[0] > first.top1[0] + 0.2
+    assert all(last.chain[s] <= last.chain[s - 1] + 1e-9 for s in (1, 2))  # a chain only shortens
+    m = summarize(last.sums, 3)
+    assert m["accepted_per_round"] == pytest.approx(sum(m["chain"]), abs=1e-3)
+    assert all(p.grad is None for p in target.parameters())  # the target stays frozen
+
+
+def test_draft_vocabulary_counts_the_teachers_top1(tmp_path):
+    target = tiny_model("llama")
+    items = _cache_items(target, [30, 30])
+    counts = torch.bincount(torch.cat([it["teacher_topk_ids"][:, 0] for it in items]), minlength=97)
+    vocab = draft_vocab_from_cache(items, 5, 97)
+    top = sorted(range(97), key=lambda t: (-int(counts[t]), t))[:5]
+    assert vocab.tolist() == sorted(top)

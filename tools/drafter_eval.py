@@ -1,0 +1,124 @@
+"""How well an EAGLE-3 drafter run predicts its target on held-out prompts, per category (Spec-Bench by default).
+
+    python tools/drafter_eval.py --run runs/smollm2-135m-eagle3 --num-prompts 40 --max-new-tokens 128 --dtype bf16
+
+The target answers each prompt greedily (its own output, as in decoding), one frozen pass over prompt + answer gives
+the drafter's aux layers and the target's top-k at every position, and the drafter runs its training-time test over
+the whole sequences (`hispec.distill.drafter.ttt_loss`, exactly the training evaluation): per draft step s the top-1
+agreement with the target's argmax on answer tokens (step 0 = the first draft of a round, with the target's states
+up to the previous token: "d = 1"), the chained agreement (steps 0..s all right: s + 1 drafts accepted) and their
+sum, the expected accepted drafts per round of `--steps` greedy drafts. Prints a per-category table and ends with
+one JSON line. Evaluation only: these prompts must never be training data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="drafter_eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True, help="train/heads.py output folder of an eagle3 run")
+    p.add_argument("--model", default=None, help="the target (default: the base the run recorded)")
+    p.add_argument("--prompts", default=str(REPO / "data" / "eval" / "spec_bench_question.jsonl"),
+                   help="prompt file (Spec-Bench / MT-Bench question.jsonl, jsonl with 'prompt', text lines)")
+    p.add_argument("--num-prompts", type=int, default=40, help="prompts, spread over categories (default 40)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="greedy answer length in tokens (default 128)")
+    p.add_argument("--steps", type=int, default=None, help="draft steps per round (default: the run's ttt steps)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype (default fp32)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts answered per batch (default 8)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--json-out", default=None, help="also write the result here")
+    return p
+
+
+def _sequences(base, tokenizer, prompts, max_new_tokens: int, batch_size: int):
+    """(token ids prompt + greedy answer, index of the first answer token) per prompt."""
+    from hispec.distill.generate import answer_batches
+    from hispec.prompts import eos_ids, pad_id_of, render
+
+    ids = [render(tokenizer, p.text) for p in prompts]
+    out = [None] * len(ids)
+    for idx, rows in answer_batches(base, ids, batch_size=batch_size, pad_id=pad_id_of(tokenizer),
+                                    eos=eos_ids(tokenizer, base.generation_config), max_new_tokens=max_new_tokens):
+        for i, (toks, _) in zip(idx, rows):
+            out[i] = (ids[i] + toks, len(ids[i]))
+    return out
+
+
+def evaluate(drafter, embed, items, steps: int) -> dict:
+    """Summed `ttt_loss` statistics over items (one sequence a batch) -> `summarize`'s metrics."""
+    import torch
+
+    from hispec.distill.drafter import DrafterCollator, DrafterForTraining, summarize, ttt_loss
+
+    model = DrafterForTraining(drafter, embed).eval()
+    collate = DrafterCollator(drafter.config.aux_layers, steps)
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for it in items:
+            for key, v in ttt_loss(model, collate([it]), steps).sums.items():
+                totals[key] = totals.get(key, 0.0) + v
+    return summarize(totals, steps)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from hispec.distill.drafter import sequence_items
+    from hispec.eagle3 import load_drafter
+    from hispec.layers import DecoderAdapter
+    from hispec.model import load_base_model, load_tokenizer
+    from hispec.prompts import load_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    drafter, meta = load_drafter(args.run)
+    steps = args.steps or int(meta.get("ttt_steps") or 3)
+    model_path = args.model or str(Path((meta.get("base") or {}).get("name_or_path", "")).expanduser())
+    if not model_path:
+        print("drafter_eval: error: the run records no target; pass --model", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    base = load_base_model(model_path, dtype=args.dtype)
+    tokenizer = load_tokenizer(model_path)
+    adapter = DecoderAdapter(base)
+    prompts = load_prompts(args.prompts, num=args.num_prompts)
+    seqs = _sequences(base, tokenizer, prompts, args.max_new_tokens, args.batch_size)
+    items = sequence_items(adapter, seqs, drafter.config.aux_layers)
+    embed = base.get_input_embeddings()
+    by_cat: dict[str, list] = {}
+    for p, it in zip(prompts, items):
+        by_cat.setdefault(p.category, []).append(it)
+    rows = {c: evaluate(drafter, embed, its, steps) for c, its in sorted(by_cat.items())}
+    overall = evaluate(drafter, embed, items, steps)
+    head = f"{'category':<24}{'tokens':>8}" + "".join(f"{'top1@' + str(s):>9}" for s in range(steps)) \
+        + "".join(f"{'chain@' + str(s):>9}" for s in range(steps)) + f"{'acc/round':>11}"
+    print(f"EAGLE-3 drafter {args.run} on {args.prompts} ({len(prompts)} prompts x {args.max_new_tokens} greedy "
+          f"tokens, target {args.dtype}); top1@s: step s agrees with the target's argmax; chain@s: steps 0..s all do")
+    print(head)
+    for name, r in [*rows.items(), ("all", overall)]:
+        print(f"{name:<24}{r['tokens']:>8}" + "".join(f"{x:>9.3f}" for x in r["top1"])
+              + "".join(f"{x:>9.3f}" for x in r["chain"]) + f"{r['accepted_per_round']:>11.3f}")
+    result = {"run": str(args.run), "prompts": str(args.prompts), "num_prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "steps": steps,
+              "aux_layers": drafter.config.aux_layers, "overall": overall, "by_category": rows,
+              "seconds": round(time.time() - t0, 1)}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
