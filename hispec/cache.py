@@ -89,19 +89,24 @@ class KVCache:
 
         Slots freed in every row at the tail are dropped physically; the rest become masked holes.
         """
-        if start >= end:
+        self.truncate_ranges([(start, end)], keep_below)
+
+    def truncate_ranges(self, ranges, keep_below: torch.Tensor) -> None:
+        """`truncate` of several layer ranges `[(start, end), ...]` at once: their new physical lengths are read from
+        the device in one copy (the host needs them: they are shapes)."""
+        todo = []
+        for start, end in ranges:
+            valid, pos = self.slot_meta(start) if start < end else (None, None)
+            if valid is not None and valid.shape[1]:
+                todo.append((start, end, valid & (pos < keep_below.to(pos.device)[:, None]), pos))
+        if not todo:
             return
-        valid, pos = self.slot_meta(start)
-        if valid.shape[1] == 0:
-            return
-        valid = valid & (pos < keep_below.to(pos.device)[:, None])
-        used = valid.any(0)
-        nz = torch.nonzero(used)
-        new_len = int(nz[-1]) + 1 if len(nz) else 0
-        valid, pos = valid[:, :new_len], pos[:, :new_len]
-        for i in range(start, end):
-            self._length[i] = min(self._length[i], new_len)
-        self.set_slot_meta(start, end, valid, pos)
+        # per range: 1 + the last slot some row still uses (0: none)
+        last = [(v.any(0) * torch.arange(1, v.shape[1] + 1, device=v.device)).max() for _, _, v, _ in todo]
+        for (start, end, valid, pos), new_len in zip(todo, torch.stack(last).tolist()):
+            for i in range(start, end):
+                self._length[i] = min(self._length[i], new_len)
+            self.set_slot_meta(start, end, valid[:, :new_len], pos[:, :new_len])
 
     def compact(self, start: int, end: int, from_slot: int, index: torch.Tensor, keep: torch.Tensor) -> None:
         """Compact layers `[start, end)` past `from_slot`: row b's slot `from_slot + i` becomes its old slot

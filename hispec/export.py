@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .io import atomic_dir, read_json, write_json, write_text
-from .latency import calibrate, predictions, write_calibration
+from .latency import DEFAULT_MAX_SECONDS, calibrate, predictions, write_calibration
 from .sampling import VERIFICATIONS
 from .model import (
     HEADS_FILE,
@@ -276,6 +276,7 @@ def export(
     calibration_prompts: list | None = None,
     calibration_max_new_tokens: int = 64,
     calibration_dtype=None,
+    calibration_max_seconds: float | None = DEFAULT_MAX_SECONDS,
     progress: bool = False,
     drafter: str | os.PathLike | None = None,
 ) -> ExportResult:
@@ -290,9 +291,9 @@ def export(
     recorded by the run.
 
     With `calibration_prompts` (texts, `hispec.prompts.Prompt`s or token id lists), the finished checkpoint is then
-    loaded (in `calibration_dtype`, default as stored) and calibrated on this machine (`hispec.latency.calibrate`);
-    the calibration goes into its config.json and the model card states the predicted speeds. A failure there
-    leaves the exported checkpoint valid, without a calibration.
+    loaded (in `calibration_dtype`, default as stored) and calibrated on this machine (`hispec.latency.calibrate`,
+    within `calibration_max_seconds`, None: no limit); the calibration goes into its config.json and the model card
+    states the predicted speeds. A failure there leaves the exported checkpoint valid, without a calibration.
     """
     check_options(gamma=gamma, window=window, verification=verification)
     out = Path(output_dir).absolute()
@@ -328,8 +329,9 @@ def export(
         try:
             result.calibration, result.predictions = calibrate_checkpoint(
                 out, calibration_prompts, max_new_tokens=calibration_max_new_tokens, dtype=calibration_dtype,
-                progress=progress, card=dict(run=run, name=name or out.name, base_model=card_base_model,
-                                             license=card_license, heads_only=heads_only))
+                max_seconds=calibration_max_seconds, progress=progress,
+                card=dict(run=run, name=name or out.name, base_model=card_base_model, license=card_license,
+                          heads_only=heads_only))
         except (ValueError, OSError, RuntimeError) as e:
             raise ExportError(f"the checkpoint {out} was exported, but calibrating it failed: {e}; it is usable "
                               "without a calibration (decoding then defaults to plain)") from e
@@ -360,7 +362,8 @@ def apply_options(model: EarlyExitModel, run: TrainRun, *, gamma=None, window=No
 
 
 def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: int = 64, dtype=None,
-                         progress: bool = False, card: dict | None = None):
+                         max_seconds: float | None = DEFAULT_MAX_SECONDS, progress: bool = False,
+                         card: dict | None = None):
     """Load the checkpoint `folder`, calibrate the latency model on `prompts` on this machine, store it in
     config.json (atomically) and, given the model card's inputs (`card`: run, name, base_model, license,
     heads_only), rewrite README.md with the predicted speeds. Returns (calibration, prediction rows)."""
@@ -368,7 +371,9 @@ def calibrate_checkpoint(folder: str | os.PathLike, prompts, *, max_new_tokens: 
     _log(f"calibrating the latency model on {len(prompts)} prompts (greedy answers of up to {max_new_tokens} "
          f"tokens, then unit costs)")
     model = load(folder, dtype=dtype)
-    cal = calibrate(model, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    cal = calibrate(model, prompts, max_new_tokens=max_new_tokens, progress=progress, max_seconds=max_seconds)
+    if (cal.budget or {}).get("skipped"):
+        _log(f"the calibration's time budget ({max_seconds:g} s) left out {cal.budget['skipped']}")
     write_calibration(folder, cal)
     if card is not None:
         text = render_model_card(card["run"], model, name=card["name"], base_model=card["base_model"],

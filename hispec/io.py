@@ -48,6 +48,9 @@ def atomic_dir(target: str | os.PathLike, overwrite: bool = False):
         raise FileExistsError(f"{target} already exists; pass overwrite=True (--overwrite) to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # the umask's usual permissions, not mkdtemp's 0700
     try:
         yield tmp
         if target.exists():

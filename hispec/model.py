@@ -302,6 +302,8 @@ class EarlyExitModel(nn.Module):
             folder = drafter
             drafter, meta = load_drafter(folder)
             check_base_matches(dict(meta.get("base") or {}), self.base, where=f"the EAGLE-3 drafter in {folder}")
+            # its drafts per round by default: a measured "gamma" if its files record one, else its training steps
+            drafter.default_gamma = int(meta.get("gamma") or meta.get("ttt_steps") or 0) or None
         c = drafter.config
         if (c.hidden_size, c.vocab_size, c.target_num_layers) != (
                 self.adapter.hidden_size, self.adapter.vocab_size, self.adapter.num_layers):

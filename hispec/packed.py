@@ -211,6 +211,8 @@ def apply(model, pack_arg=None):
                 return model
         pack(model.base)
         pack(model.heads)
+        if getattr(model, "drafter", None) is not None:  # an EAGLE-3 drafter's layer, fc and lm_head too
+            pack(model.drafter)
         model.adapter.refresh_modules()  # its lm_head (and other parts) were replaced
     return model
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .eagle3 import Eagle3Drafter, is_drafter_run, load_drafter
-from .io import atomic_dir, write_text
+from .io import atomic_dir, atomic_write, write_text
 
 
 class SpeculatorsExportError(ValueError):
@@ -136,7 +136,7 @@ def export_speculators(run_dir, output_dir, *, verifier: str | None = None, revi
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         cfg.save_pretrained(str(tmp))  # speculators' own writer (config.json)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write(tmp / "model.safetensors", lambda f: save_file(state, str(f), metadata={"format": "pt"}))
         write_text(tmp / "README.md", _card(meta, cfg, verifier, revision, output_dir.name))
     return output_dir
 

@@ -45,12 +45,11 @@ before it (children without replacement: the renormalised q), so each committed 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from . import sampling
+from . import sampling, timing
 
 MAX_TREE_NODES = 256  # one verification pass over this many positions (the cost stops being flat far below)
 
@@ -184,7 +183,7 @@ def tree_round(run, spec):
     a0, a1, L = run.bounds
     head = run.state_heads[0]
     H = ad.hidden_size
-    t0 = time.perf_counter()
+    t0 = timing.now(run.device)
 
     seq = run.seq.clone()  # tokens [0, seq) are committed; seq - 1 has passed no range yet
     part = seq < run.limit  # rows that still decode
@@ -257,8 +256,8 @@ def tree_round(run, spec):
         st0.row_passes += int(nvalid[:, lay.nodes(d)].any(1).sum())
     st0.proposed += int(nvalid.sum())
     st0.proposals += int((depth_cap > 0).sum())  # rows that drafted (not plain rows, not rows at their limit)
-    st0.seconds += time.perf_counter() - t0
-    t1 = time.perf_counter()
+    st0.seconds += timing.now(run.device) - t0
+    t1 = timing.now(run.device)
 
     # ---------------------------------------------------------------- verification (one pass of the rest)
     range0(D, False)
@@ -331,7 +330,7 @@ def tree_round(run, spec):
     pidx = path.clamp(min=0)
     _write_states(run, seq, keep, h_exit, pidx, o, P, pidx, pvalid, ppos)
     _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
-    _count(st1, a, depth_cap, B, t1)
+    _count(run, a, depth_cap, B, t1)
 
 
 def _lookup_first(run) -> bool:
@@ -345,7 +344,7 @@ def _lookup_first(run) -> bool:
     Lossless for the same reason as each part: the chain verification and the tree round each commit only tokens
     the full model accepts given the committed prefix (greedy: its argmax; sampling: speculative sampling against
     the stored q, a point mass for an n-gram token)."""
-    t0 = time.perf_counter()
+    t0 = timing.now(run.device)
     st0 = run.stats.levels[0]
     stop = run._stop_pos()
     grow = (run.seq < stop) & (run.gam[0] > 0)  # (not for rows `auto` switched to plain decoding)
@@ -356,7 +355,7 @@ def _lookup_first(run) -> bool:
     st0.proposed += int(n.sum())
     st0.proposals += int(hit.sum())
     st0.lookups += int(hit.sum())
-    st0.seconds += time.perf_counter() - t0
+    st0.seconds += timing.now(run.device) - t0
     if not bool(hit.any()):
         return True
     run.exhausted |= hit
@@ -416,8 +415,8 @@ def _keep_path(run, cache, head, ranges, T0, idx0, idx1, keep, newpos, has_new):
     cache.compact(a1, L, T0[1], idx1, keep)
     if head is not None:
         cache.compact(head.cache_index, head.cache_index + 1, T0["h"], idx0, keep)
-    for s, e in ((a0, a1), (a1, L)) + (((head.cache_index, head.cache_index + 1),) if head is not None else ()):
-        cache.truncate(s, e, newpos)
+    cache.truncate_ranges([(a0, a1), (a1, L)] + ([(head.cache_index, head.cache_index + 1)] if head is not None
+                                                 else []), newpos)
     run.done[0] = newpos.clone()
     run.done[1] = newpos.clone()
     run.seq = newpos + has_new.long()
@@ -425,14 +424,16 @@ def _keep_path(run, cache, head, ranges, T0, idx0, idx1, keep, newpos, has_new):
     run.base = run.seq.clone()
 
 
-def _count(st1, a, depth_cap, B, t1) -> None:
-    """The full level's counters for one tree round: accepted path lengths out of each row's usable depth."""
-    st1.accepted += int(a.sum())
-    st1.proposed += int(depth_cap.sum())
-    st1.rejections += int((a < depth_cap).sum())
+def _count(run, a, depth_cap, B, t1) -> None:
+    """The full level's counters for one tree round: accepted path lengths out of each row's usable depth (read
+    from the device at the round's commit)."""
+    st1 = run.stats.levels[1]
+    run._count(1, "accepted", a.sum())
+    run._count(1, "proposed", depth_cap.sum())
+    run._count(1, "rejections", (a < depth_cap).sum())
     st1.passes += 1
     st1.row_passes += B
-    st1.seconds += time.perf_counter() - t1
+    st1.seconds += timing.now(run.device) - t1
 
 
 # ==================================================================================================== dynamic trees
@@ -503,7 +504,7 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     a0, a1, L = run.bounds
     head = run.state_heads[0]
     H = ad.hidden_size
-    t0 = time.perf_counter()
+    t0 = timing.now(run.device)
     seq = run.seq.clone()
     depth_cap = (run.limit - seq).clamp(min=0, max=D) * (run.gam[0] > 0)
 
@@ -596,8 +597,8 @@ def dynamic_round(run, spec: DynamicTreeSpec):
         st0.row_passes += int(sel_ok.any(1).sum())
     st0.proposed += int(nvalid.sum())
     st0.proposals += int((depth_cap > 0).sum())  # rows that drafted (not plain rows, not rows at their limit)
-    st0.seconds += time.perf_counter() - t0
-    t1 = time.perf_counter()
+    st0.seconds += timing.now(run.device) - t0
+    t1 = timing.now(run.device)
 
     # the verified set: the NV best-scoring nodes, parents first (stable sort: a child never outranks its parent)
     order = torch.sort(-score, dim=1, stable=True).indices[:, :NV]  # [B, NV]
@@ -658,4 +659,4 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     idx1 = selpos.gather(1, pidx).clamp(min=0)
     _write_states(run, seq, keep, h_exit, pidx, o, P, idx1, pvalid, ppos)
     _keep_path(run, cache, head, (a0, a1, L), T0, idx0, idx1, keep, newpos, has_new)
-    _count(st1, a, depth_cap, B, t1)
+    _count(run, a, depth_cap, B, t1)

@@ -73,27 +73,31 @@ def common(model, prompts_file, tokens=12):
 
 
 # ---------------------------------------------------------------------------------------------- bench
+# every named strategy the tiny checkpoint can run (it has no EAGLE-3 drafter: `eagle` levels need one)
+RUNNABLE = tuple(s for s in bench.STRATEGIES if not s.startswith("eagle"))
+
+
 def test_bench_prints_table_then_one_json_line_and_every_strategy_reproduces_hf(checkpoint, prompts_file, capsys,
                                                                                tmp_path):
-    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", ",".join(bench.STRATEGIES),
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies", ",".join(RUNNABLE),
                                "--plot", tmp_path / "speedup.png", "--json-out", tmp_path / "full.json")
     assert rc == 0, out.err
     table = out.out.strip().splitlines()[:-1]
     assert any(line.startswith("strategy") and "tok/s" in line for line in table)
-    for name in bench.STRATEGIES:
+    for name in RUNNABLE:
         assert any(line.startswith(name + " ") for line in table), name
     assert any(line.startswith("math ") for line in table) and any(line.startswith("writing ") for line in table)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["lossless"] is True and summary["lossless_up_to_ties"] is True
     assert summary["reference"] == "hf"
-    for name in bench.STRATEGIES:
+    for name in RUNNABLE:
         s = summary["strategies"][name]
         assert STRATEGY_KEYS <= s.keys()
         assert s["identical"] == 1.0, name
         assert s["tokens_per_s"] > 0
         assert abs(sum(s["time_share"].values()) - 1.0) < 1e-6
     assert summary["strategies"]["hf"]["speedup_vs_hf"] == 1.0
-    for name in bench.STRATEGIES:  # the latency model's prediction next to the measurement, for hispec's own
+    for name in RUNNABLE:  # the latency model's prediction next to the measurement, for hispec's own
         s = summary["strategies"][name]  # (the lookup-first level's too)
         if name.startswith("hf"):
             assert s["predicted_speedup_vs_ar"] is None
@@ -365,10 +369,54 @@ def test_calibrate_stores_a_calibration_and_auto_then_runs(checkpoint, prompts_f
     del cfg["hispec"]["calibration"]
     cfg_path.write_text(json.dumps(cfg))
     rc, out, summary = run_cli(capsys, *common(ckpt, prompts_file, 6), "--num-prompts", 2, "--calibrate",
-                               "--calibration-num-prompts", 2)
+                               "--calibration-num-prompts", 2, "--calibration-max-seconds", 600)
     assert rc == 0, out.err
     assert "latency model, calibrated on" in out.err
     stored = json.loads(cfg_path.read_text())["hispec"]["calibration"]
     assert stored["positions"] > 0 and set(stored["costs"]) >= {"layer", "final", "step_overhead"}
+    assert stored["budget"]["max_seconds"] == 600 and stored["budget"]["skipped"] == {}
     assert "auto" in summary["strategies"] and summary["strategies"]["auto"]["identical"] == 1.0
     assert "hf-prompt-lookup" in summary["strategies"] and "ngram" in summary["strategies"]
+
+
+def test_a_peer_strategy_that_raises_is_reported_and_the_others_run_on(checkpoint, prompts_file, capsys, monkeypatch):
+    """As transformers 5.17's `assistant_early_exit` did on a GPU: it sets `config.num_hidden_layers` to the exit
+    layer, then crashes (here on its second run, after one timed sample). The bench reports it as failed (table,
+    JSON line, stderr), drops its samples, undoes the config change (else `hf` would run 2 layers and leave `ar`) and
+    times the others on every prompt."""
+    import transformers
+
+    generate = transformers.GenerationMixin.generate
+    calls = []
+
+    def crashing(self, *args, generation_config=None, **kw):
+        if generation_config is not None and getattr(generation_config, "assistant_early_exit", None):
+            calls.append(1)
+            if len(calls) == 2:
+                self.config.num_hidden_layers = generation_config.assistant_early_exit
+                raise RuntimeError("assistant_early_exit crashed")
+        return generate(self, *args, generation_config=generation_config, **kw)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", crashing)
+    rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file), "--strategies",
+                               "hf-early-exit,hf,ar,self-spec")
+    assert rc == 0, out.err
+    assert summary["failed"] == {"hf-early-exit": "RuntimeError: assistant_early_exit crashed"} and len(calls) == 2
+    assert set(summary["strategies"]) == {"hf", "ar", "self-spec"}
+    assert summary["lossless"] is True  # hf ran the whole model again after the crash: identical to ar
+    assert all(s["identical"] == 1.0 for s in summary["strategies"].values())
+    assert "hf-early-exit    FAILED (not timed): RuntimeError: assistant_early_exit crashed" in out.out
+    assert "hf-early-exit failed and was left out" in out.err
+    assert summary["config"]["strategies"] == ["hf-early-exit", "hf", "ar", "self-spec"]
+
+
+def test_restored_config_undoes_what_a_block_changed_in_the_configs():
+    model = tiny_model("llama")
+    before, gen_before = dict(vars(model.config)), dict(vars(model.generation_config))
+    with pytest.raises(RuntimeError), bench.restored_config(model):
+        model.config.num_hidden_layers = 1
+        model.config.added_by_the_peer = True
+        model.generation_config.max_new_tokens = 3
+        raise RuntimeError
+    assert vars(model.config) == before and vars(model.generation_config) == gen_before
+

@@ -104,12 +104,12 @@ def _record_positions(model):
     seen = []
     run = model.adapter.run_layers
 
-    def spy(hidden, start, end, *, position_ids, cache, valid=None):
+    def spy(hidden, start, end, *, position_ids, cache, valid=None, **kw):  # (kw: e.g. an EAGLE-3 level's capture)
         v = torch.ones(position_ids.shape, dtype=torch.bool) if valid is None else valid
         for b, t in v.nonzero().tolist():
             for layer in range(start, end):
                 seen.append((layer, b, int(position_ids[b, t])))
-        return run(hidden, start, end, position_ids=position_ids, cache=cache, valid=valid)
+        return run(hidden, start, end, position_ids=position_ids, cache=cache, valid=valid, **kw)
 
     model.adapter.run_layers = spy
     return seen

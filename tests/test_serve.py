@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny import FAMILIES, tiny_model
@@ -82,6 +87,46 @@ def test_contiguous_cache_engine_gives_the_same_outputs():
     engine = Engine(model, paged=False, max_batch=4, prefill_chunk=None)
     for req, h in zip(reqs, _staggered(engine, reqs, arrivals)):
         assert h.tokens == _solo(model, req)
+
+
+_WITHOUT_ALLOCATORS = r"""
+import sys, warnings
+sys.path.insert(0, sys.argv[1])
+import torch
+import transformers.generation.continuous_batching  # transformers itself, as an older one would be, loads fine
+GONE = "transformers.generation.continuous_batching.cache_allocators"
+for name in [m for m in list(sys.modules) if m.startswith(GONE)] + [GONE, GONE + ".cache_pool",
+                                                                    GONE + ".full_attention"]:
+    sys.modules[name] = None  # what an older transformers (5.17) lacks: importing it now fails
+import hispec.serve as serve
+from test_serve import _mixed_requests, _solo, _staggered, _wrap
+from tiny import tiny_model
+assert serve.PAGED_UNAVAILABLE and "--contiguous" in serve.PAGED_UNAVAILABLE, serve.PAGED_UNAVAILABLE
+torch.set_num_threads(1)
+model = _wrap(tiny_model("llama"))
+try:
+    serve.PagedKVStore.for_model(model, num_blocks=4)
+    raise SystemExit("a paged store was built without allocators")
+except serve.PagedKVUnavailable as e:
+    assert "cache allocators" in str(e)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    engine = serve.Engine(model, max_batch=3, prefill_chunk=None)
+assert not engine.paged and any("contiguous" in str(w.message) for w in caught)
+reqs = _mixed_requests(4, seed=2)
+for req, h in zip(reqs, _staggered(engine, reqs, [0, 0, 1, 3])):
+    assert h.tokens == _solo(model, req), req.strategy
+print("ok")
+"""
+
+
+def test_serving_imports_and_decodes_with_contiguous_caches_on_a_transformers_without_the_paged_allocators():
+    """transformers 5.17 has no `continuous_batching.cache_allocators`: `hispec.serve` still imports there, the paged
+    store says why it cannot be built, and the engine serves with contiguous caches (with a warning), exactly."""
+    tests = pathlib.Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_ALLOCATORS, str(tests)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_layer_heads_keep_their_extra_kv_layer_in_the_paged_store():

@@ -133,3 +133,37 @@ def test_without_speculators_the_export_says_how_to_install_it(run, tmp_path, mo
     monkeypatch.setattr(builtins, "__import__", no_speculators)
     with pytest.raises(SpeculatorsExportError, match=r"pip install 'hispec\[speculators\]'"):
         export_speculators(run[0] / "run", tmp_path / "out")
+
+
+@pytest.mark.real_model
+def test_the_shipped_smollm2_drafter_loads_in_speculators_and_matches_hispecs(demo_model_dir):
+    """recipes/artifacts/smollm2-135m/eagle3-speculators (what vLLM / SGLang would serve) against the hispec drafter
+    shipped beside it, on SmolLM2's own states (the verifier pointed at the local demo model: no Hub)."""
+    from pathlib import Path
+
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    from hispec.eagle3 import load_drafter
+    from hispec.model import load_base_model
+
+    art = Path(__file__).resolve().parents[1] / "recipes" / "artifacts" / "smollm2-135m"
+    cfg = SpeculatorModelConfig.from_pretrained(str(art / "eagle3-speculators"))
+    assert cfg.speculators_config.verifier.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    cfg.speculators_config.verifier.name_or_path = str(demo_model_dir)
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    spec = SpeculatorModel.from_pretrained(str(art / "eagle3-speculators"), config=cfg).float().eval()
+    spec._load_verifier_weights(overwrite_embed_tokens=True)
+    drafter, meta = load_drafter(art / "eagle3")
+    assert meta["config"]["aux_layers"] == cfg.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
+    target = load_base_model(str(demo_model_dir), dtype="fp32")
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 7018, 411, 253, 2379]])
+    T = ids.shape[1] - 1
+    with torch.no_grad():
+        hs = target(ids[:, :T], output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i] for i in drafter.config.aux_layers], -1)
+        caught = []
+        spec.lm_head.register_forward_hook(lambda mod, inp, o: caught.append(o.detach()))
+        spec(hidden_states=aux, input_ids=ids[:, 1:], document_ids=torch.zeros(1, T, dtype=torch.long), ttt_steps=2)
+        mine = drafter.ttt_logits(aux, target.get_input_embeddings(), ids[:, 1:], 2)
+    for s in range(2):
+        torch.testing.assert_close(caught[s], mine[s], rtol=1e-4, atol=1e-4)

@@ -3,6 +3,8 @@ the distribution (chi-square against exact enumeration, with a power check), bad
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_context_head import _context_model
@@ -93,22 +95,29 @@ def test_eos_inside_a_tree_stops_the_row_exactly_like_hf(shape, oracle):
     assert out.new_tokens[0][-1] == eos and len(out.new_tokens[0]) <= 6
 
 
+@contextlib.contextmanager
+def _truncations():
+    """Records (physical length, largest position kept) of every range the contiguous cache rolls back."""
+    lengths = []
+    orig = KVCache.truncate_ranges
+
+    def spy(self, ranges, keep_below):
+        orig(self, ranges, keep_below)
+        lengths.extend((self.get_seq_length(start), int(keep_below.max())) for start, end in ranges if start < end)
+
+    KVCache.truncate_ranges = spy
+    try:
+        yield lengths
+    finally:
+        KVCache.truncate_ranges = orig
+
+
 def test_oracle_heads_accept_whole_paths_and_the_cache_keeps_only_them():
     model = _wrap(_oracle(tiny_model("llama"), 2))
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(3))
     ref = _hf_greedy(model.base, ids, torch.ones_like(ids), 21)
-    lengths = []
-    orig = KVCache.truncate
-
-    def spy(self, start, end, keep_below):
-        orig(self, start, end, keep_below)
-        lengths.append((self.get_seq_length(start), int(keep_below.max())))
-
-    KVCache.truncate = spy
-    try:
+    with _truncations() as lengths:
         out = model.generate(ids, max_new_tokens=21, strategy="self-spec", tree=[3, 2, 2, 1])
-    finally:
-        KVCache.truncate = orig
     assert torch.equal(out.sequences, ref)
     s = out.stats
     assert s.accepted_at_target == s.proposed_to_target  # every round the full depth
@@ -561,20 +570,10 @@ def test_dynamic_tree_with_oracle_heads_accepts_its_full_depth_and_keeps_no_hole
     model = _wrap(_oracle(tiny_model("llama"), 2))
     ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(3))
     ref = _hf_greedy(model.base, ids, torch.ones_like(ids), 21)
-    lengths = []
-    orig = KVCache.truncate
-
-    def spy(self, start, end, keep_below):
-        orig(self, start, end, keep_below)
-        lengths.append((self.get_seq_length(start), int(keep_below.max())))
-
-    KVCache.truncate = spy
-    try:
+    with _truncations() as lengths:
         # all 3 + 3 * 6 drafted nodes verified, beam = topk: the oracle's top-1 path is always in the tree
         out = model.generate(ids, max_new_tokens=21, strategy="self-spec", tree="dyn-4-3-3-30")
         part = model.generate(ids, max_new_tokens=21, strategy="self-spec", tree="dyn-4-3-2-9")
-    finally:
-        KVCache.truncate = orig
     assert torch.equal(out.sequences, ref) and torch.equal(part.sequences, ref)
     assert out.stats.accepted_at_target == out.stats.proposed_to_target
     assert part.stats.tokens_per_target_pass > 1.5

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -53,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--device", default=None, help="torch device (default cpu); timings wait for it (hispec.timing)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-pack", action="store_true", help="stock linear kernels (as the calibration must have been)")
     args = p.parse_args(argv)
@@ -68,14 +68,14 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     import hispec
-    from hispec import packed
+    from hispec import packed, timing
     from hispec.bench.env import hardware_info
     from hispec.bench.runner import _rotated
     from hispec.prompts import cut_at_eos, encode_prompts, eos_ids, load_prompts, pad_id_of, spread_over_categories
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = hispec.load(args.model, dtype=args.dtype, pack=False if args.no_pack else None)
+    model = hispec.load(args.model, dtype=args.dtype, device=args.device, pack=False if args.no_pack else None)
     if not getattr(model.hispec_config, "calibration", None) and any(s.startswith("auto") for s in strategies):
         p.error(f"{args.model} holds no calibration: run `hispec-bench --model {args.model} --calibrate` first")
     tok = model.tokenizer
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     eos = set(eos_ids(generation_config=model.base.generation_config))  # what both decoders stop at
     pad = pad_id_of(tok)
 
-    def run(strategy, ids, mask):
-        t0 = time.perf_counter()
+    def run(strategy, ids, mask):  # (timed once the device's queued work is done: hispec.timing)
+        t0 = timing.now(model.device)
         if strategy == "hf":
             with torch.no_grad(), packed.stock():
                 out = model.base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
@@ -95,10 +95,10 @@ def main(argv=None) -> int:
                 out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens,
                                      strategy="auto" if strategy.startswith("auto") else strategy)
             rows, stats = [r.tolist() if hasattr(r, "tolist") else list(r) for r in out.new_tokens], out.stats
-        return time.perf_counter() - t0, rows, stats
+        return timing.now(model.device) - t0, rows, stats
 
     with torch.no_grad():  # warm-up: one short batch per strategy
-        ids, mask = encode_prompts(tok, texts[:1])
+        ids, mask = (t.to(model.device) for t in encode_prompts(tok, texts[:1]))
         for s in strategies:
             run(s, ids, mask)
     results = []
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         acc = {s: {"seconds": 0.0, "tokens": 0, "identical": 0, "rows": 0, "row_rounds": 0, "plain": 0, "plan": None}
                for s in strategies}
         for k, i in enumerate(range(0, args.num_prompts, B)):
-            ids, mask = encode_prompts(tok, texts[i: i + B])
+            ids, mask = (t.to(model.device) for t in encode_prompts(tok, texts[i: i + B]))
             order = _rotated(strategies, k)
             outs = {}
             for s in order:

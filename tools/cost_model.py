@@ -55,7 +55,7 @@ def measure(model, rows=(1, 2, 4, 5, 8), context: int = 256, vocab_sizes=(8192, 
             fns[("head_body", T)] = lambda x=normed: model.heads["draft"](x)
             for K in vocab_sizes:
                 fns[(K, T)] = lambda x=normed, v=ids[K]: ad.project(x, v)
-        t = median_times(fns, repeats)
+        t = median_times(fns, repeats, device=ad.device)
     return {"layer": measure_layer_costs(model, rows, context, repeats, bench),
             "proj_full": {T: t[("proj_full", T)] for T in rows},
             "proj": {K: {T: t[(K, T)] for T in rows} for K in vocab_sizes},

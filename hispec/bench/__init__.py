@@ -5,7 +5,9 @@ Contract:
   interleaved per prompt with a rotating order, so machine drift hits all strategies alike. Strategies:
   `hf` (transformers `generate`, the reference), `hf-early-exit` (`generate(assistant_early_exit=L_d)`: the base
   model's own final norm + lm_head at L_d), `hf-prompt-lookup` (`prompt_lookup_num_tokens`), and hispec's `ar`,
-  `self-spec`, `hispec` (`hispec.decoding.generate`). It returns the raw samples (`BenchResult`). A hispec
+  `self-spec`, `hispec` (`hispec.decoding.generate`). It returns the raw samples (`BenchResult`); a strategy of
+  transformers' own that raises is listed in `BenchResult.failed` (and the summary's "failed") and the others run
+  on, its changes to the base model's config undone (`restored_config`). A hispec
   strategy may carry the sampling acceptance rule as a suffix, `hispec:hsd` / `hispec:token` (`split_verification`),
   so both rules run side by side on the same prompts; without one it uses `BenchConfig.verification` (None: the
   checkpoint's default). Greedy runs are identical under both rules.
@@ -39,6 +41,7 @@ from .runner import (  # noqa: F401
     HF_STRATEGIES, STRATEGIES, REFERENCE, STAGES, SWEEPABLE, BenchConfig, Counters, Sample, PromptRecord,
     BenchResult, PassCounter, Runner, encode, check_fits, TIE_TOLERANCE, tie_tolerance, TieChecker, run_bench,
     predict_speedups, split_verification, with_both_verifications, tree_of, VERIFICATION_SUFFIXES, TREE_PREFIX,
+    restored_config,
 )
 from .env import (  # noqa: F401
     hardware_info, model_info,

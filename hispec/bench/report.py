@@ -36,6 +36,8 @@ def format_table(summary: Summary) -> str:
             f"{_f(s.verify_acceptance):>8}{_f(s.target_acceptance):>7}{_f(s.layer_evals_per_token, '{:.1f}'):>11}"
             f"  {share:<37}{_f(s.identical):>10}{_f(s.identical_up_to_ties):>7}"
         )
+    for name, why in summary.failed.items():
+        lines.append(f"{name:<17}FAILED (not timed): {why[:200]}")
     names = list(summary.strategies)
     preds = [s for s in summary.strategies.values() if s.predicted_speedup_vs_ar is not None]
     if preds:

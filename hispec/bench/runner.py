@@ -1,18 +1,23 @@
 """The benchmark's runner: `BenchConfig`, the raw samples (`Counters`, `Sample`, `PromptRecord`, `BenchResult`), pass
 counting through forward hooks (`PassCounter`), one strategy on one prompt (`Runner`), the fp32 re-check of greedy
-divergences (`TieChecker`, `tie_tolerance`), `run_bench` and the latency model's `predict_speedups`."""
+divergences (`TieChecker`, `tie_tolerance`), `run_bench` and the latency model's `predict_speedups`.
+
+Every timer waits for the device's queued work before reading the clock (`hispec.timing`). A peer strategy
+(transformers' own, `HF_STRATEGIES`) that raises is recorded in `BenchResult.failed` and dropped, and the run goes
+on with the others; whatever it changed in the base model's config is undone after each of its runs
+(`restored_config`: transformers' `assistant_early_exit` sets `num_hidden_layers` to the exit layer and, when it
+fails, leaves it there). hispec's own strategies are not caught: an error there is a bug."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import time
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from .. import latency, packed
+from .. import latency, packed, timing
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
 from ..decoding import _auto_plan, _auto_trees, build_levels, ngram_config, parse_hierarchy
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
@@ -181,14 +186,20 @@ class BenchResult:
     tie_tolerance: float = 0.0
     predictions: dict = field(default_factory=dict)  # strategy -> latency-model speedup vs ar (calibrated models)
     predictors: dict = field(default_factory=dict)  # strategy -> f(observed rates) -> predicted speedup vs ar
+    failed: dict = field(default_factory=dict)  # peer strategy -> "ExceptionType: message" (it raised; no samples)
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The configured strategies that ran (those that failed are left out)."""
+        return tuple(s for s in self.config.strategies if s not in self.failed)
 
 
 # ---------------------------------------------------------------------------------------------------- counting
 class PassCounter:
     """Forward hooks on the base model: full vs early-exit passes, their time, decoder-layer evaluations."""
 
-    def __init__(self, base: torch.nn.Module, layers):
-        self.num_layers = len(layers)
+    def __init__(self, base: torch.nn.Module, layers, device=None):
+        self.num_layers, self.device = len(layers), device
         self.handles = [
             base.register_forward_pre_hook(self._pre, with_kwargs=True),
             base.register_forward_hook(self._post, with_kwargs=True),
@@ -202,12 +213,12 @@ class PassCounter:
         self._t0 = None
 
     def _pre(self, module, args, kwargs):
-        self._layers_in_call, self._t0 = 0, time.perf_counter()
+        self._layers_in_call, self._t0 = 0, timing.now(self.device)
 
     def _post(self, module, args, kwargs, output):
         if self._t0 is None:
             return
-        dt = time.perf_counter() - self._t0
+        dt = timing.now(self.device) - self._t0
         if self._layers_in_call >= self.num_layers:
             if self.full_passes == 0:
                 self.prefill_seconds += dt
@@ -237,7 +248,7 @@ class Runner:
 
     def __init__(self, model, config: BenchConfig):
         self.model, self.config = model, config
-        self.counter = PassCounter(model.base, model.adapter.parts.layers)
+        self.counter = PassCounter(model.base, model.adapter.parts.layers, model.device)
         self.eos = eos_ids(generation_config=model.base.generation_config)
         gen = model.base.generation_config
         self.pad = gen.pad_token_id if gen.pad_token_id is not None else (self.eos[0] if self.eos else 0)
@@ -275,10 +286,10 @@ class Runner:
             kwargs = self._hf_kwargs(strategy, n)
             torch.manual_seed(seed)
             kernels = contextlib.nullcontext() if strategy == "hf-packed" else packed.stock()
-            t0 = time.perf_counter()
+            t0 = timing.now(model.device)
             with torch.no_grad(), kernels:
                 out = model.base.generate(ids, attention_mask=mask, **kwargs)
-            secs = time.perf_counter() - t0
+            secs = timing.now(model.device) - t0
             tokens, _ = cut_at_eos(out[0, ids.shape[1]:].tolist(), self.eos)
             c = self.counter
             counters = Counters(new_tokens=len(tokens), target_passes=c.full_passes,
@@ -290,7 +301,7 @@ class Runner:
             counters.seconds.update(prefill=c.prefill_seconds, draft=c.draft_seconds, target=c.full_seconds)
         else:
             gen = torch.Generator(device=model.device).manual_seed(seed) if not cfg.greedy else None
-            t0 = time.perf_counter()
+            t0 = timing.now(model.device)
             name, rule = split_verification(strategy)
             tree = tree_of(name)
             out = model.generate(ids, mask, max_new_tokens=n, strategy=tree_strategy(name) if tree else name,
@@ -300,7 +311,7 @@ class Runner:
                                  gamma=gamma if gamma is not None else cfg.gamma,
                                  window=window if window is not None else cfg.window, ngram=cfg.ngram,
                                  eos_token_id=self.eos or None, pad_token_id=self.pad, generator=gen)
-            secs = time.perf_counter() - t0
+            secs = timing.now(model.device) - t0
             s = out.stats
             tokens = list(out.new_tokens[0])
             counters = Counters(new_tokens=len(tokens), target_passes=s.target_row_passes,
@@ -390,46 +401,105 @@ class TieChecker:
         self._fp32 = None
 
 
+@contextlib.contextmanager
+def restored_config(base: torch.nn.Module):
+    """Undo, when the block ends (raising or not), what it changed in `base`'s config (and text config) and
+    generation config: attributes set, replaced or added (the values themselves are not copied)."""
+    config = base.config
+    objs = [config, getattr(base, "generation_config", None)]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    objs.append(text if text is not config else None)
+    saved = [(vars(o), dict(vars(o))) for o in objs if o is not None]
+    try:
+        yield
+    finally:
+        for now, before in saved:
+            for k in [k for k in now if k not in before]:
+                del now[k]
+            now.update(before)
+
+
+class _Attempts:
+    """Runs every strategy through `runner`; a peer strategy (transformers' own, `HF_STRATEGIES`) runs under
+    `restored_config`, and when it raises it is recorded in `failed` ("ExceptionType: message"), its samples are
+    dropped and it is not run again. hispec's own strategies are not caught."""
+
+    def __init__(self, runner: Runner, records: list[PromptRecord]):
+        self.runner, self.records, self.failed = runner, records, {}
+
+    def run(self, strategy: str, ids, mask, seed: int, **kw) -> Sample | None:
+        if strategy in self.failed:
+            return None
+        if strategy not in HF_STRATEGIES:
+            return self.runner.run(strategy, ids, mask, seed, **kw)
+        try:
+            with restored_config(self.runner.model.base):
+                return self.runner.run(strategy, ids, mask, seed, **kw)
+        except Exception as e:  # noqa: BLE001 (a peer's own bug or missing feature: reported, not fatal)
+            self.failed[strategy] = f"{type(e).__name__}: {e}"
+            for rec in self.records:
+                rec.samples.pop(strategy, None)
+            return None
+
+
 def run_bench(model, prompts: list[Prompt], config: BenchConfig, progress: bool = False) -> BenchResult:
-    """Decode every prompt with every strategy, interleaved (see module docstring)."""
+    """Decode every prompt with every strategy, interleaved (see module docstring); a peer strategy that raises is
+    reported in `BenchResult.failed` and the others go on."""
     if "hf-early-exit" in config.strategies and model.draft_layer >= model.num_layers:
         raise ValueError("hf-early-exit needs a draft layer below the model's depth")
     encoded = encode(model, prompts, config.chat)
     check_fits(model, encoded, config.max_new_tokens)
     runner = Runner(model, config)
     records = [PromptRecord(i, p.category, p.text, int(m.sum())) for i, (p, (_, m)) in enumerate(zip(prompts, encoded))]
-    strategies = config.strategies
+    attempts = _Attempts(runner, records)
     try:
-        with _progress(config.warmup * len(strategies), progress and config.warmup > 0, "warm-up") as bar:
-            for w in range(config.warmup):
-                for s in strategies:
-                    bar.set_postfix_str(s)
-                    runner.run(s, *encoded[0], seed=config.seed, max_new_tokens=min(32, config.max_new_tokens))
-                    bar.update()
-        with _progress(len(prompts) * config.repeats * len(strategies), progress, "bench") as bar:
-            for i, (ids, mask) in enumerate(encoded):
-                for r in range(config.repeats):
-                    seed = config.seed + 1000 * i + r
-                    for s in _rotated(strategies, i * config.repeats + r):
-                        bar.set_postfix_str(f"prompt {i + 1}/{len(encoded)} {s}")
-                        records[i].samples.setdefault(s, []).append(runner.run(s, ids, mask, seed))
-                        bar.update()
+        _run_all(attempts, encoded, records, config, progress)
     finally:
         runner.close()
+    result = BenchResult(config=config, records=records, model_info=model_info(model), hardware=hardware_info(),
+                         tie_tolerance=tie_tolerance(config, model.dtype), failed=attempts.failed)
+    if not result.strategies:
+        raise ValueError(f"every strategy failed: {attempts.failed}")
     if config.greedy and config.tie_check:
-        ref = next((r for r in (REFERENCE, "ar") if r in strategies), None)
-        checker = TieChecker(model)
-        for rec, (ids, mask) in zip(records, encoded):
+        _tie_margins(model, encoded, records, result.strategies)
+    result.predictions, result.predictors = predict_speedups(model, config)
+    return result
+
+
+def _run_all(attempts: _Attempts, encoded, records, config: BenchConfig, progress: bool) -> None:
+    """The warm-up runs, then every prompt x repeat x strategy (rotated order), into `records`."""
+    strategies = config.strategies
+    with _progress(config.warmup * len(strategies), progress and config.warmup > 0, "warm-up") as bar:
+        for _ in range(config.warmup):
             for s in strategies:
-                if ref is not None and s != ref:
-                    diverged = [x for x in rec.samples[s] if x.tokens != rec.samples[ref][0].tokens]
-                    if diverged:
-                        rec.margins[s] = checker.margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
-        checker.close()
-    predictions, predictors = predict_speedups(model, config)
-    return BenchResult(config=config, records=records, model_info=model_info(model), hardware=hardware_info(),
-                       tie_tolerance=tie_tolerance(config, model.dtype), predictions=predictions,
-                       predictors=predictors)
+                bar.set_postfix_str(s)
+                attempts.run(s, *encoded[0], seed=config.seed, max_new_tokens=min(32, config.max_new_tokens))
+                bar.update()
+    with _progress(len(encoded) * config.repeats * len(strategies), progress, "bench") as bar:
+        for i, (ids, mask) in enumerate(encoded):
+            for r in range(config.repeats):
+                seed = config.seed + 1000 * i + r
+                for s in _rotated(strategies, i * config.repeats + r):
+                    bar.set_postfix_str(f"prompt {i + 1}/{len(encoded)} {s}")
+                    sample = attempts.run(s, ids, mask, seed)
+                    if sample is not None:
+                        records[i].samples.setdefault(s, []).append(sample)
+                    bar.update()
+
+
+def _tie_margins(model, encoded, records, strategies) -> None:
+    """The fp32 margin at each greedy run's first divergence from the reference (`TieChecker`), into `records`."""
+    ref = next((r for r in (REFERENCE, "ar") if r in strategies), None)
+    if ref is None:
+        return
+    checker = TieChecker(model)
+    for rec, (ids, mask) in zip(records, encoded):
+        for s in strategies:
+            if s != ref:
+                diverged = [x for x in rec.samples[s] if x.tokens != rec.samples[ref][0].tokens]
+                if diverged:
+                    rec.margins[s] = checker.margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
+    checker.close()
 
 
 def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:

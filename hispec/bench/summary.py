@@ -4,7 +4,7 @@ measured side by side, tokens per full pass, acceptance per stage, time shares, 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .env import model_info
 from .runner import (REFERENCE, STAGES, BenchConfig, BenchResult, PromptRecord, _first_mismatch, split_verification,
@@ -61,6 +61,7 @@ class Summary:
     model_info: dict
     hardware: dict
     tie_tolerance: float = 0.0
+    failed: dict = field(default_factory=dict)  # peer strategy -> "ExceptionType: message" (it raised; not timed)
 
     def _all(self, attr: str) -> bool | None:
         if not self.config.greedy or self.reference is None:
@@ -101,6 +102,7 @@ class Summary:
                        "prompts": len(self.per_prompt)},
             "model": self.model_info,
             "hardware": self.hardware,
+            "failed": dict(self.failed),
         }
         if per_prompt:
             d["per_prompt"] = self.per_prompt
@@ -154,7 +156,7 @@ def _pass_ratio(records, s, idx) -> float:
 
 def summarize(result: BenchResult) -> Summary:
     cfg = result.config
-    strategies = cfg.strategies
+    strategies = result.strategies  # (peers that failed have no samples: `result.failed`)
     ref = next((r for r in (REFERENCE, "ar") if r in strategies), None) if cfg.greedy else None
     figs = [_prompt_figures(rec, ref, result.tie_tolerance) for rec in result.records]
 
@@ -233,4 +235,4 @@ def summarize(result: BenchResult) -> Summary:
     per_prompt = [{"index": rec.index, "category": rec.category, "prompt_tokens": rec.prompt_tokens,
                    "text": rec.text[:200], "strategies": figs[i]} for i, rec in enumerate(result.records)]
     return Summary(cfg, ref, summaries, categories, per_prompt, result.model_info, result.hardware,
-                   result.tie_tolerance)
+                   result.tie_tolerance, dict(result.failed))

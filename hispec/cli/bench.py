@@ -17,7 +17,9 @@ HSD's gain; a single strategy can also be named with its rule (`--strategies his
 (transformers greedy `generate`) is the reference: a lossless strategy must
 reproduce its new tokens exactly. In bf16/fp16 two correct computations round differently and may part at a
 near-tie of the top two logits; every divergence is therefore re-evaluated in fp32 and its margin reported
-("lossless_up_to_ties"). Exit status: 0; 1 when a greedy run left hf beyond a rounding tie; 2 on bad input.
+("lossless_up_to_ties"). A strategy of transformers' own (hf, hf-early-exit, hf-prompt-lookup, hf-packed) that
+raises is reported as FAILED in the table, under "failed" in the JSON line and on stderr, and the others run on.
+Exit status: 0; 1 when a greedy run left hf beyond a rounding tie; 2 on bad input.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from .. import packed
 
 DEFAULT_STRATEGIES = ("hf", "hf-early-exit", "hf-prompt-lookup", "ar", "self-spec", "hispec", "ngram")
+DEFAULT_CALIBRATION_SECONDS = 300.0  # hispec.latency.DEFAULT_MAX_SECONDS (not imported: --help stays light)
 
 
 def _ints(text: str) -> list[int]:
@@ -121,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts to calibrate on (default: prompts of --prompts that the benchmark does not run, "
                         "spread over categories)")
     c.add_argument("--calibration-num-prompts", type=int, default=8, help="prompts to calibrate on (default 8)")
+    c.add_argument("--calibration-max-seconds", type=float, default=DEFAULT_CALIBRATION_SECONDS, metavar="S",
+                   help="time budget of the calibration: past it, fewer prompts, repeats and decoder runs are "
+                        "measured (stated in the calibration and on stderr) rather than the calibration running on; "
+                        f"0 = no limit (default {DEFAULT_CALIBRATION_SECONDS:g})")
     s = p.add_argument_group("sweep (greedy; picks the fastest setting whose outputs all equal hf's)")
     s.add_argument("--sweep", action="store_true", help="sweep settings instead of comparing strategies")
     s.add_argument("--sweep-draft-layers", type=_ints, help="draft exits to try, e.g. 2,4 (base models, shared heads)")
@@ -167,6 +174,8 @@ def _check_args(args) -> str | None:
         return "--write-defaults only works with --sweep (to store only a calibration: --calibrate)"
     if args.calibration_num_prompts < 1:
         return "--calibration-num-prompts must be >= 1"
+    if args.calibration_max_seconds < 0:
+        return "--calibration-max-seconds must be >= 0 (0 = no limit)"
     if args.sweep and args.temperature != 0:
         return "--sweep checks identical outputs and runs greedy only; drop --temperature"
     if args.sweep and args.verification is not None:
@@ -240,10 +249,20 @@ def _calibrate(args, model, prompts, progress: bool) -> None:
         cal_prompts = spread_over_categories(rest or every, args.calibration_num_prompts)
     print(f"[hispec-bench] calibrating on {len(cal_prompts)} prompts", file=sys.stderr, flush=True)
     flags = _ngram(args)  # given: measure that config; else the checkpoint's, else calibrate chooses one
-    cal = latency.calibrate(model, cal_prompts, ngram=NgramConfig(**flags) if flags else None, progress=progress)
+    cal = latency.calibrate(model, cal_prompts, ngram=NgramConfig(**flags) if flags else None, progress=progress,
+                            max_seconds=args.calibration_max_seconds or None)
+    report_budget(cal, "hispec-bench")
     latency.write_calibration(args.model, cal)
     model.hispec_config.calibration = cal.to_dict()
     print(latency.format_predictions(cal, latency.predictions(cal)), file=sys.stderr, flush=True)
+
+
+def report_budget(cal, prog: str) -> None:
+    """Say on stderr what a calibration's time budget left out (nothing when it fitted)."""
+    b = cal.budget or {}
+    if b.get("skipped"):
+        print(f"[{prog}] the calibration took {b['seconds']:.0f} s of its {b['max_seconds']:g} s budget and left out "
+              f"{b['skipped']} (raise --calibration-max-seconds for more)", file=sys.stderr, flush=True)
 
 
 def _ngram(args) -> dict | None:
@@ -314,6 +333,8 @@ def main(argv=None) -> int:
         print(f"hispec-bench: error: {e}", file=sys.stderr)
         return 2
     summary = bench.summarize(result)
+    for name, why in summary.failed.items():
+        print(f"hispec-bench: warning: {name} failed and was left out: {why}", file=sys.stderr)
     print(bench.format_table(summary), flush=True)
     if args.plot:
         try:

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompts to calibrate on, spread over categories (default 8)")
     cal.add_argument("--calibration-max-new-tokens", type=int, default=64, metavar="N",
                      help="greedy answer length per prompt, in tokens (default 64)")
+    cal.add_argument("--calibration-max-seconds", type=float, default=300.0, metavar="S",
+                     help="time budget of the calibration: past it, fewer prompts, repeats and decoder runs are "
+                          "measured (stated in the calibration) rather than the calibration running on; 0 = no "
+                          "limit (default 300)")
     cal.add_argument("--calibration-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                      help="dtype to calibrate in, the one you will decode in (auto: as the checkpoint is stored); "
                           "a calibration only applies to its own dtype and machine type")
@@ -141,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.calibration_num_prompts < 1 or args.calibration_max_new_tokens < 2:
             return fail("--calibration-num-prompts must be >= 1 and --calibration-max-new-tokens >= 2")
+        if args.calibration_max_seconds < 0:
+            return fail("--calibration-max-seconds must be >= 0 (0 = no limit)")
         source = args.calibration_prompts or default_calibration_prompts()
         if source is None:
             return fail("--calibrate needs prompts: no data/eval/spec_bench_question.jsonl here (or in "
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             return fail(f"--calibration-prompts: {e} (nothing was exported)")
     else:
-        used = [f"--calibration-{f.replace('_', '-')}" for f in ("prompts", "num_prompts", "max_new_tokens", "dtype")
+        used = [f"--calibration-{f.replace('_', '-')}" for f in ("prompts", "num_prompts", "max_new_tokens", "dtype",
+                                                                 "max_seconds")
                 if getattr(args, f"calibration_{f}") != parser.get_default(f"calibration_{f}")]
         if used:
             parser.error(f"{', '.join(used)} only make sense with --calibrate")
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data, gamma=args.gamma,
             window=args.window, verification=args.verification, calibration_prompts=prompts,
             calibration_max_new_tokens=args.calibration_max_new_tokens,
-            calibration_dtype=None if args.calibration_dtype == "auto" else args.calibration_dtype, progress=True,
+            calibration_dtype=None if args.calibration_dtype == "auto" else args.calibration_dtype,
+            calibration_max_seconds=args.calibration_max_seconds or None, progress=True,
             drafter=args.drafter,
         )
     except (CheckpointError, ex.ExportError, FileExistsError, ValueError, OSError) as e:
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         best = result.predictions[-1]
         summary["calibration"] = {
             "machine": cal.machine, "dtype": cal.dtype, "threads": cal.threads, "acceptance": cal.acceptance,
-            "ngram_match": cal.ngram_match, "measured_tokens_per_second": cal.measured,
+            "ngram_match": cal.ngram_match, "measured_tokens_per_second": cal.measured, "budget": cal.budget,
             "predictions": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
                             for r in result.predictions],
             "best": {"levels": best["levels"], "gammas": best["gammas"],

@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-from .. import packed
+from .. import packed, timing
 from ..decoding import STRATEGIES
 from ..sampling import VERIFICATIONS
 
@@ -133,7 +132,7 @@ def main(argv=None) -> int:
             from transformers import TextStreamer
 
             streamer = TextStreamer(tok, skip_prompt=True)
-        t0 = time.perf_counter()
+        t0 = timing.now(model.device)
         try:
             out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                                  do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k,
@@ -143,7 +142,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        secs = time.perf_counter() - t0
+        secs = timing.now(model.device) - t0
         s = out.stats
         for text, new in zip(batch, out.new_tokens):
             completion = tok.decode(new, skip_special_tokens=True)

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                     strategy=args.strategy)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     print(f"hispec-serve: {name} on http://{args.host}:{args.port}/v1 (strategy {engine.default_strategy}, "
-          f"{'contiguous' if args.contiguous else f'{engine.num_blocks} KV blocks of {args.block_size}'})",
+          f"{f'{engine.num_blocks} KV blocks of {args.block_size}' if engine.paged else 'contiguous KV caches'})",
           flush=True)
     serve(engine, name, host=args.host, port=args.port, max_tokens=args.max_tokens,
           default_max_tokens=args.default_max_tokens, drain_timeout=args.drain_timeout, log_level=args.log_level)

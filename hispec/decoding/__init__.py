@@ -11,7 +11,8 @@ The package, in the order a call goes through it:
 - `plan`: the default strategy, the calibration, `auto`'s plan, the n-gram config;
 - `generation`: `generate`, from its arguments to its output;
 - `rounds`: `_Run`, the round machinery (prefill, draft, verify, commit; KV and hidden-state reuse; the losslessness
-  argument), with `batching` (`_RowSet`: rows leaving and joining a running batch);
+  argument), with `batching` (`_RowSet`: rows leaving and joining a running batch) and `handover` (`_Handover`:
+  `commit`, the round's tokens and counters read from the device in one copy);
 - `auto`: `_AutoPolicy`, `auto`'s per-row choice of levels and gammas; `guard`: `_PlainGuard`, its measured floor;
 - `stats`: `GenerationOutput`, `GenerationStats`, `LevelStats`.
 

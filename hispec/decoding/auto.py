@@ -104,13 +104,14 @@ class _AutoPolicy:
         """Called by `verify(k)` with its outcome, before the state moves on."""
         i = k - 1
         lower = run.levels[i]
-        cpu = lambda t: t.detach().cpu()  # noqa: E731
-        part, m, a = cpu(part), cpu(m), cpu(a)
-        gam_off = cpu(run.gam[i]) == 0
+        # what the rule reads, in one copy from the device (not one per tensor)
+        part, m, a, gam, exhausted = torch.stack([part.long(), m, a, run.gam[i], run.exhausted.long()]).cpu()
+        part = part.bool()
+        gam_off = gam == 0
         spoke = part & (m > 0)
         tried = part & ~gam_off  # level i was asked to propose
         if lower.lookup:  # the rows the lookup served count for the n-gram's rate, the others for the exit's
-            served = spoke & cpu(run.exhausted)
+            served = spoke & exhausted.bool()
             for pair, rows in ((None, served), (i, spoke & ~served)):
                 rows = rows.nonzero().flatten()
                 self._update(pair, rows, a[rows].double(), (a[rows] < m[rows]).double())
@@ -232,7 +233,7 @@ class _AutoPolicy:
         """Per row: the lowest level it uses and the gammas above it that the latency model predicts fastest under
         the row's own estimates (`latency.best_gammas`), with hysteresis towards plain decoding."""
         K = len(self.chain) - 1
-        gam = [g.clone() for g in run.gam]
+        gam = [[0] * alphas.shape[0] for _ in range(K)]  # (every row's every gamma is set below)
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
             rates = {p[0]: a for p, a in zip(self.pairs, alphas[b].tolist())}
@@ -243,7 +244,8 @@ class _AutoPolicy:
             self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
             for i in range(K):
                 gam[i][b] = gs[i]
-        run.gam = gam
+        like = run.gam[0]
+        run.gam = list(torch.tensor(gam, dtype=like.dtype, device=like.device).unbind(0))  # one copy to the device
 
     def choose(self, run: _Run):
         """Before a round: every row's gammas `run.gam`, from its estimates (a tree's rows: the tree or plain)."""

@@ -73,12 +73,14 @@ def generate(
     `keep_rows(idx)` that sets the per-row gammas `run.gam` between rounds (see `_AutoPolicy`, which `auto` uses).
     """
     explicit_verification = verification
+    eagle_gamma = gamma if gamma is not None else getattr(getattr(model, "drafter", None), "default_gamma", None)
     verification, gamma, window, ngram = _settings(model, verification, gamma, window, ngram)
     _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p)
     tree = parse_tree(tree)
     if strategy is None:
         strategy = "self-spec" if tree is not None else default_strategy(model)
-    policy_cal, levels = _hierarchy(model, strategy, tree, gammas, gamma=gamma, window=window, ngram=ngram)
+    policy_cal, levels = _hierarchy(model, strategy, tree, gammas, gamma=gamma, window=window, ngram=ngram,
+                                    eagle_gamma=eagle_gamma)
     if tree is not None:
         _check_tree_options(tree, levels, max_new_tokens, policy, do_sample, explicit_verification)
     dev = model.device
@@ -126,15 +128,16 @@ def _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def _hierarchy(model, strategy, tree, gammas, *, gamma, window, ngram):
-    """-> (the calibration, None) for `auto` (planned once the batch size is known), else (None, the levels)."""
+def _hierarchy(model, strategy, tree, gammas, *, gamma, window, ngram, eagle_gamma=None):
+    """-> (the calibration, None) for `auto` (planned once the batch size is known), else (None, the levels).
+    An `eagle3` level drafts `eagle_gamma` tokens (default: the drafter's own, the draft steps it trained for)."""
     if tree is not None and strategy == "auto":
         raise ValueError("tree drafts need a fixed hierarchy of one draft exit under the full model (e.g. "
                          "strategy='self-spec'), not 'auto'")
     if strategy == "auto":
         return _calibration(model), None
     return None, build_levels(model, parse_hierarchy(strategy, model), gammas, gamma=gamma, window=window,
-                              ngram=ngram)
+                              ngram=ngram, eagle_gamma=eagle_gamma)
 
 
 def _check_tree_options(tree, levels, max_new_tokens, policy, do_sample, explicit_verification):

@@ -2,8 +2,9 @@
 more wall time per committed token than its own plain rounds.
 
 Contract: `begin(run)` after the policy chose the round's gammas (it may zero them all: a plain round) and
-`end(run)` after the round's last commit (it times the round on `clock`, replaceable, and counts the tokens
-committed). It changes only which rows speculate, never how tokens are verified.
+`end(run)` after the round's last commit (it times the round on `clock`, replaceable, once the run's device has
+finished its queued work: `hispec.timing.synchronize`, and counts the tokens committed). It changes only which rows
+speculate, never how tokens are verified.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import time
 
 import torch
+
+from .. import timing
+
 
 class _PlainGuard:
     """`auto`'s measured floor: a batch does not keep speculating where its own speculative rounds, timed, cost more
@@ -49,6 +53,11 @@ class _PlainGuard:
         self.elapsed = 0.0  # seconds of every measured round
         self._open = None  # (arm, start time, committed tokens at the start)
 
+    def _now(self, run) -> float:
+        """`clock()` once the run's device has done its queued work (a GPU's kernels run asynchronously)."""
+        timing.synchronize(run.device)
+        return self.clock()
+
     def cost(self, arm: str) -> float | None:
         """Measured seconds per committed token of `arm` (None: not measured yet)."""
         return self.sec[arm] / self.tok[arm] if self.tok[arm] > 0 else None
@@ -67,7 +76,7 @@ class _PlainGuard:
         return other if due else best
 
     def begin(self, run) -> None:
-        speculating = any(bool((g > 0).any()) for g in run.gam)
+        speculating = bool(torch.stack(run.gam).gt(0).any()) if run.gam else False  # (one wait, not one per level)
         arm = self._arm(speculating)
         if speculating and arm == "plain":
             rows = len(run.seq)
@@ -75,14 +84,14 @@ class _PlainGuard:
             run.gam = [torch.zeros_like(g) for g in run.gam]
             run.stats.plain_row_rounds += rows - was_plain
             run.stats.guarded_rounds += 1
-        self._open = (arm, self.clock(), run.committed_tokens)
+        self._open = (arm, self._now(run), run.committed_tokens)
 
     def end(self, run) -> None:
         if self._open is None:
             return
         arm, t0, n0 = self._open
         self._open = None
-        seconds, tokens = self.clock() - t0, run.committed_tokens - n0
+        seconds, tokens = self._now(run) - t0, run.committed_tokens - n0
         if tokens <= 0:
             return
         if self.last[arm] is not None:

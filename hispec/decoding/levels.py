@@ -111,16 +111,18 @@ def parse_hierarchy(spec, model) -> list[str]:
     return names
 
 
-def build_levels(model, names: list[str], gammas=None, *, gamma: int, window: int, ngram: NgramConfig) -> list[Level]:
+def build_levels(model, names: list[str], gammas=None, *, gamma: int, window: int, ngram: NgramConfig,
+                 eagle_gamma: int | None = None) -> list[Level]:
     """Level objects for level names; default thresholds: ngram -> its max_len, the lowest exit -> gamma, higher
-    exits -> window; `gammas` (one per non-top level) overrides them."""
+    exits -> window, an eagle3 drafter -> `eagle_gamma` (else gamma); `gammas` (one per non-top level) overrides
+    them."""
     levels = []
     first_exit = next((n for n in names if n not in ("ngram", "full")), None)
     for n in names:
         if n == "ngram":
             levels.append(Level("ngram", 0, None, ngram.max_len))
         elif n.removeprefix(LOOKUP) == "eagle3":
-            levels.append(Level("eagle3", 0, None, gamma, lookup=n.startswith(LOOKUP)))
+            levels.append(Level("eagle3", 0, None, eagle_gamma or gamma, lookup=n.startswith(LOOKUP)))
         elif n == "full":
             levels.append(Level("full", model.num_layers, None, 1))
         elif n.startswith(LOOKUP):

@@ -33,20 +33,20 @@ level gathers, and which levels a row uses, depend only on tokens already drawn,
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from .. import timing
 from ..heads import ContextInputs
 from ..ngram import NgramConfig, propose_batch
 from ..sampling import greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
 from ..tree import tree_round
 from .batching import _RowSet
 from .eagle import _EagleDrafting
+from .handover import _Handover
 from .stats import GenerationStats, LevelStats
 
 
-class _Run(_EagleDrafting, _RowSet):
+class _Run(_Handover, _EagleDrafting, _RowSet):
     """State and steps of one batched generation call."""
 
     def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer,
@@ -62,7 +62,7 @@ class _Run(_EagleDrafting, _RowSet):
         self.verification = verification
         self.committed_tokens = 0  # new tokens handed over so far, all rows (`_PlainGuard` counts rounds by it)
         self.stats = GenerationStats(levels=[LevelStats(lv.name) for lv in levels], verification=verification)
-        dev = self.adapter.device
+        dev = self.device = self.adapter.device  # (its timers wait for this device's queued work: hispec.timing)
         B = len(prompts)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         self.limit = torch.as_tensor(limits, device=dev)
@@ -72,6 +72,7 @@ class _Run(_EagleDrafting, _RowSet):
         # each row's id in `results` (continuous batching gives its request ids; rows leave and join by id)
         self.orig = torch.arange(B, device=dev) if ids is None else torch.as_tensor(ids, dtype=torch.long, device=dev)
         self.results: dict[int, list[int]] = {}
+        self._init_handover(levels, eos)
         self.row_stop: dict[int, object] = {}  # per-row stop checkers by id (continuous batching), else stop_check
         self._pre = None  # chunked prefill: each row's final state at its last prompt position
         # Sampling: probability rows of each level (except the top) by position, offset by `base`.
@@ -110,12 +111,14 @@ class _Run(_EagleDrafting, _RowSet):
             self._init_eagle(B, cap)
 
     # ------------------------------------------------------------------ machinery
-    def _advance(self, j: int, end: torch.Tensor):
+    def _advance(self, j: int, end: torch.Tensor, T: int | None = None):
         """Run range j over positions [done[j], end) of every row; returns (output [B, T, H] or None, start,
-        head features [B, T, H] of level j's stateful head or None)."""
+        head features [B, T, H] of level j's stateful head or None). `T`: the most positions of any row, when the
+        caller already read it from the device."""
         start = self.done[j]
         n = (end - start).clamp(min=0)
-        T = int(n.max()) if n.numel() else 0
+        if T is None:
+            T = int(n.max()) if n.numel() else 0
         if T == 0:
             return None, start, None
         ar = torch.arange(T, device=start.device)
@@ -132,11 +135,11 @@ class _Run(_EagleDrafting, _RowSet):
                                                          capture=capture)
         if capture:
             self._eagle_store(idx, valid, capture)
-        self.stats.levels[j].layer_evals += int(n.sum()) * (b - a)
+        self._count(j, "layer_evals", n.sum() * (b - a))
         dest = self.hid[j + 1] if j + 1 <= self.K else self.fin
-        if dest is not None:
-            r, c = valid.nonzero(as_tuple=True)
-            dest[r, idx[r, c]] = out[r, c]
+        if dest is not None:  # (padding goes to the last column, never a real position: no host read of `valid`)
+            at = torch.where(valid, idx, dest.shape[1] - 1)[..., None].expand(-1, -1, dest.shape[-1])
+            dest.scatter_(1, at, out.to(dest.dtype))
         feats = None
         head = self.state_heads[j]
         if head is not None:  # the head's own layer sees exactly the positions its exit's range saw
@@ -145,7 +148,7 @@ class _Run(_EagleDrafting, _RowSet):
                                                position_ids=idx, cache=self.cache, valid=valid)
 
             feats = head(out, run_layer)
-            self.stats.levels[j].layer_evals += int(n.sum())
+            self._count(j, "layer_evals", n.sum())
         self.done[j] = torch.maximum(start, end)
         return out, start, feats
 
@@ -180,11 +183,24 @@ class _Run(_EagleDrafting, _RowSet):
         return ContextInputs(states=states, avail=avail, query_pos=pos, layers=list(head.context_layers))
 
     def _stop_pos(self) -> torch.Tensor:
-        """Per row, the first position that must not be extended: min(limit, first EOS after the prompt + 1)."""
+        """Per row, the first position that must not be extended: min(limit, first EOS after the prompt + 1).
+        Computed once per state (the tensors it reads, and `tok`'s version: every write to it counts), as a round
+        asks several times between changes, and finding the EOS waits for the device."""
+        committed = self.ver[self.K] if self.K else self.seq
+        key = (self.seq, committed, self.limit, self.eos, self.tok)
+        memo = self._stop_memo
+        if memo is not None and memo[2] == self.tok._version and all(x is y for x, y in zip(memo[0], key)):
+            return memo[1]
+        end = self._first_stop(committed)
+        self._stop_memo = (key, end, self.tok._version)
+        return end
+
+    def _first_stop(self, committed: torch.Tensor) -> torch.Tensor:
+        """`_stop_pos` computed: an EOS among each row's tokens past `committed`, which are at most `_pending` (a
+        bound the host keeps, so finding the window does not wait for the device)."""
         end = self.limit.clone()
-        if self.eos.numel():
-            committed = self.ver[self.K] if self.K else self.seq
-            width = int((self.seq - committed).max()) if self.seq.numel() else 0
+        if self.eos.numel() and committed is not self.seq:  # (plain decoding: nothing pending past `committed`)
+            width = min(self._pending, self.tok.shape[1]) if self.seq.numel() else 0
             if width > 0:
                 idx = committed[:, None] + torch.arange(width, device=end.device)
                 inside = idx < self.seq[:, None]
@@ -228,7 +244,7 @@ class _Run(_EagleDrafting, _RowSet):
         `chunk` (continuous batching, `hispec.serve`): at most that many prompt positions per row and call, so a
         long prompt is prefilled over several engine steps while other rows decode; returns True once every row's
         prompt is in and its first token is picked (always, without `chunk`)."""
-        t0 = time.perf_counter()
+        t0 = timing.now(self.device)
         end = self.prompt_len if chunk is None else torch.minimum(self.prompt_len, self.done[0] + chunk)
         out = start = None
         for j in range(self.K + 1):
@@ -239,7 +255,7 @@ class _Run(_EagleDrafting, _RowSet):
             got = (end == self.prompt_len) & (end > start)
             self._pre = feats if self._pre is None else torch.where(got[:, None], feats, self._pre)
         if not bool((self.done[self.K] >= self.prompt_len).all()):
-            self.stats.prefill_seconds += time.perf_counter() - t0
+            self.stats.prefill_seconds += timing.now(self.device) - t0
             return False
         end = self.prompt_len
         logits = self._logits(self.K, self._pre[:, None])[:, 0]
@@ -251,14 +267,14 @@ class _Run(_EagleDrafting, _RowSet):
         self.base = self.seq.clone()
         self.stats.levels[-1].passes += 1
         self.stats.levels[-1].row_passes += len(end)
-        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_seconds += timing.now(self.device) - t0
         return True
 
     def draft_step(self, active: torch.Tensor):
         """Level 0 proposes for the active rows that may still grow: one token (an exit, or the full model for
         `ar`, where it is committed), or a whole n-gram continuation of up to gam[0] tokens; `ngram|EXIT`: the
         lookup's continuation (up to ngram.max_len) where it matches, else the exit's token."""
-        t0 = time.perf_counter()
+        t0 = timing.now(self.device)
         st = self.stats.levels[0]
         stop = self._stop_pos()
         grow = active & (self.seq < stop)
@@ -271,40 +287,45 @@ class _Run(_EagleDrafting, _RowSet):
                 self._draft_eagle(grow, st)
             else:
                 self._draft_exit(grow, st)
-        st.seconds += time.perf_counter() - t0
+            self._pending += 1  # (one token a row at most)
+        st.seconds += timing.now(self.device) - t0
 
     def _draft_ngram(self, grow: torch.Tensor, stop: torch.Tensor, st: LevelStats):
         """An `ngram` level 0: the lookup's continuation, up to gam[0] tokens, for the rows `grow`."""
         n = self._propose_ngram(grow, torch.minimum(self.gam[0], stop - self.seq))
         self.exhausted |= grow
-        st.proposed += int(n.sum())
-        st.proposals += int((n > 0).sum())
-        st.passes += int(bool(grow.any()))
-        st.row_passes += int(grow.sum())
+        self._count(0, "proposed", n.sum())
+        self._count(0, "proposals", (n > 0).sum())
+        self._count(0, "passes", grow.any())
+        self._count(0, "row_passes", grow.sum())
 
     def _draft_lookup(self, grow: torch.Tensor, stop: torch.Tensor, st: LevelStats) -> torch.Tensor:
         """`ngram|EXIT`'s first try, the lookup (up to ngram.max_len tokens); returns the rows it left to the exit."""
         n = self._propose_ngram(grow, torch.minimum(torch.full_like(stop, self.ngram.max_len), stop - self.seq))
         hit = n > 0
         self.exhausted |= hit
-        st.proposed += int(n.sum())
-        st.proposals += int(hit.sum())
-        st.lookups += int(hit.sum())
+        hits = hit.sum()
+        self._count(0, "proposed", n.sum())
+        self._count(0, "proposals", hits)
+        self._count(0, "lookups", hits)
         return grow & ~hit
 
     def _draft_exit(self, grow: torch.Tensor, st: LevelStats):
         """Level 0's model (an exit, or the full model for `ar`) appends one token to each of the rows `grow`."""
         end = torch.where(grow, self.seq, self.done[0])
-        out, start, hf = self._advance(0, end)
+        T, self._draft_width = self._draft_width, None  # (read with the round's check, `_more_to_draft`)
+        out, start, hf = self._advance(0, end, T)
         if out is not None:
             token = self._draft_token(out, start, hf, end, grow)
             pos = self.seq.clamp(max=self.tok.shape[1] - 1)
             self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
             self.seq = self.seq + grow.long()
-            st.proposed += int(grow.sum()) if self.K else 0
-            st.proposals += int(grow.sum()) if self.K else 0
+            rows = grow.sum()
+            if self.K:
+                self._count(0, "proposed", rows)
+                self._count(0, "proposals", rows)
             st.passes += 1
-            st.row_passes += int(grow.sum())
+            self._count(0, "row_passes", rows)
 
     def _draft_token(self, out, start, hf, end, grow) -> torch.Tensor:
         """Level 0's next token [B] from its states at each row's last position (stored as rows when sampling)."""
@@ -337,6 +358,7 @@ class _Run(_EagleDrafting, _RowSet):
                 onehot = torch.nn.functional.one_hot(props, self.adapter.vocab_size).float()
                 self._store_rows(0, self.seq, onehot, only=hit)
             self.seq = self.seq + n
+            self._pending += W
         return n
 
     def _ready(self, k: int) -> torch.Tensor:
@@ -352,34 +374,40 @@ class _Run(_EagleDrafting, _RowSet):
     def verify(self, k: int, active: torch.Tensor):
         """Level k verifies, for the active rows, the tokens level k-1 gathered beyond ver[k]; a row with nothing
         gathered (its level k-1 is switched off, or an n-gram found nothing) gets one token of level k's own."""
-        t0 = time.perf_counter()
+        t0 = timing.now(self.device)
         stop = self._stop_pos()
         m = (torch.minimum(self.seq, stop) - self.ver[k]).clamp(min=0)
         part = active & ((m > 0) | (self.seq < stop))
-        if not bool(part.any()):
-            return
         m = torch.where(part, m, torch.zeros_like(m))
-        a, new, probs = self._judge(k, part, m)
+        if not len(m):
+            return
+        anyone, M = torch.stack([part.any().long(), m.max()]).tolist()  # one wait for the device, not two
+        if not anyone:
+            return
+        a, new, probs = self._judge(k, part, m, M)
         if self.policy is not None:
             self.policy.observe(self, k, part, m, a, new, probs)
         new_seq = self._settle(k, part, a, new, stop)
         st = self.stats.levels[k]
-        st.accepted += int(a.sum())
-        st.proposed += int(m.sum())
-        st.rejections += int((part & (a < m)).sum())
+        self._count(k, "accepted", a.sum())
+        self._count(k, "proposed", m.sum())
+        self._count(k, "rejections", (part & (a < m)).sum())
         st.passes += 1
-        st.row_passes += int(part.sum())
+        self._count(k, "row_passes", part.sum())
+        if k < self.K:
+            self._pending += 1  # (its own token, past what it accepted)
         if k == self.K:
             self.base = torch.where(part, new_seq, self.base)
-        st.seconds += time.perf_counter() - t0
+        st.seconds += timing.now(self.device) - t0
 
-    def _judge(self, k: int, part: torch.Tensor, m: torch.Tensor):
+    def _judge(self, k: int, part: torch.Tensor, m: torch.Tensor, M: int | None = None):
         """Advance ranges 0..k over the pending positions of the rows `part` and apply level k's acceptance rule to
-        their `m` candidates -> (accepted [B], 0 outside `part`; level k's next token [B]; its rows or None)."""
+        their `m` candidates (M: the most of any row, when known) -> (accepted [B], 0 outside `part`; level k's
+        next token [B]; its rows or None)."""
         out = hf = start = None
         for j in range(k + 1):
             out, start, hf = self._advance(j, torch.where(part, self.seq, self.done[j]))
-        M = int(m.max())
+        M = int(m.max()) if M is None else M
         feats = out[:, : M + 1]  # range k started at ver[k] - 1 for participating rows
         pos = start[:, None] + torch.arange(M + 1, device=start.device)
         logits = self._logits(k, feats, None if hf is None else hf[:, : M + 1], pos=pos)  # [B, M+1, V]
@@ -420,13 +448,14 @@ class _Run(_EagleDrafting, _RowSet):
 
     def _roll_back(self, keep_below: torch.Tensor):
         """Forget, in every range (and stateful head), the KV and progress at positions >= keep_below [B]."""
+        ranges = []
         for j in range(self.K + 1):
-            if self.bounds[j] < self.bounds[j + 1]:
-                self.cache.truncate(self.bounds[j], self.bounds[j + 1], keep_below)
+            ranges.append((self.bounds[j], self.bounds[j + 1]))
             if self.state_heads[j] is not None:
                 c = self.state_heads[j].cache_index
-                self.cache.truncate(c, c + 1, keep_below)
+                ranges.append((c, c + 1))
             self.done[j] = torch.minimum(self.done[j], keep_below)
+        self.cache.truncate_ranges(ranges, keep_below)
 
     def run_level(self, k: int, active: torch.Tensor):
         """One round at level k for the active rows (see the module docstring: a round)."""
@@ -435,54 +464,23 @@ class _Run(_EagleDrafting, _RowSet):
             return
         while True:
             todo = active & ~self._ready(k)
-            if not bool(todo.any()):
+            if not self._more_to_draft(k, todo):
                 break
             self.run_level(k - 1, todo)
         self.verify(k, active)
 
-    def commit(self) -> bool:
-        """Hand over newly committed tokens, finish rows (EOS, length, stop strings); returns True while rows
-        remain. Linear in the output: each round reads, scans and streams only the tokens it committed."""
-        committed = self.ver[self.K] if self.K else self.seq
-        stop = self._stop_pos()
-        finished = (committed >= torch.minimum(stop, self.limit)).tolist()
-        keep = []
-        eos_ids = set(self.eos.tolist())
-        ends = (committed - self.prompt_len).tolist()
-        for b, rid in enumerate(self.orig.tolist()):
-            if self._hand_over(b, rid, ends[b], eos_ids):
-                finished[b] = True
-            if not finished[b]:
-                keep.append(b)
-        if len(keep) < len(committed):
-            self._keep_rows(torch.tensor(keep, dtype=torch.long, device=committed.device))
-        return bool(keep)
-
-    def _hand_over(self, b: int, rid: int, end: int, eos_ids: set) -> bool:
-        """Append row b's tokens committed up to `end` (after its prompt) to its result `rid`, cut after an EOS or
-        a completed stop string, and stream them; returns True where the row ended there."""
-        toks = self.results.setdefault(rid, [])
-        prev = len(toks)
-        ended = False
-        if end > prev:
-            p0 = int(self.prompt_len[b])
-            toks.extend(self.tok[b, p0 + prev : p0 + end].tolist())
-            if eos_ids:
-                cut = next((i for i in range(prev, len(toks)) if toks[i] in eos_ids), None)
-                if cut is not None:
-                    del toks[cut + 1 :]
-                    ended = True
-            stop_check = self.row_stop.get(rid, self.stop_check)
-            if stop_check is not None:
-                cut = stop_check(toks, prev)
-                if cut is not None:
-                    del toks[cut:]
-                    ended = True
-            if self.streamer is not None and len(toks) > prev:
-                self.streamer.put(torch.tensor(toks[prev:]))
-            self.committed_tokens += max(len(toks) - prev, 0)
-        return ended
-
+    def _more_to_draft(self, k: int, todo: torch.Tensor) -> bool:
+        """Whether any row of `todo` still gathers for level k. Where level k-1 is an exit's draft step (level 0
+        under level 1, no lookup), the width of that step's pass is read in the same copy from the device and kept
+        for it (`_draft_width`): one wait for the device per draft step, not two."""
+        lv = self.levels[0]
+        if k != 1 or lv.kind not in ("exit", "full") or lv.lookup or not len(todo):
+            return bool(todo.any())
+        grow = todo & (self.seq < self._stop_pos())  # what `draft_step` computes, from the same state
+        n = (torch.where(grow, self.seq, self.done[0]) - self.done[0]).clamp(min=0)
+        anyone, width = torch.stack([todo.any().long(), n.max()]).tolist()
+        self._draft_width = width if anyone else None
+        return bool(anyone)
 
     def begin_round(self) -> None:
         """Before a round: the policy (if any) sets every row's gammas; `auto`'s guard may then make the round

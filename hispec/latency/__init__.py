@@ -26,9 +26,11 @@ each module imports only those listed before it:
 - `trees`: static tree drafts priced (`tree_time_per_token`) and the best tree;
 - `plans`: `auto_plan`, the plan `auto` decodes with, and the prediction tables the tools print;
 - `timing`: unit costs timed behind a KV cache (`KVBench`, `measure_costs`);
-- `measure`: `calibrate`, which measures a `Calibration` on this machine.
+- `budget`: a calibration's time budget (`Budget`, `DEFAULT_MAX_SECONDS`);
+- `measure`: `calibrate`, which measures a `Calibration` on this machine within a time budget.
 """
 
+from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, machine_fingerprint, model_identity,
                           read_calibration, write_calibration)
 from .measure import NGRAM_CANDIDATES, calibrate, fit_decoder_costs, ngram_rounds
@@ -41,6 +43,8 @@ from .trees import (MAX_TREE_WIDTH, TREE_ROWS, best_tree, scaled_topk, tree_expe
                     tree_shapes, tree_time_per_token)
 
 __all__ = [
+    "Budget",
+    "DEFAULT_MAX_SECONDS",
     "Calibration",
     "CalibrationError",
     "Choice",

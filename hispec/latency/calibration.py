@@ -102,6 +102,9 @@ class Calibration:
     # the n-gram configs `calibrate` measured and chose `ngram` from: [{"config": {...}, "match": m, "acceptance":
     # {"ngram>L4": a, ..., "ngram>full": a}, "seconds_per_token": auto's predicted time}, ...] (None: one measured)
     ngram_options: list | None = None
+    # what `calibrate`'s time budget left out: {"max_seconds": s, "seconds": spent, "skipped": {...}} (None: before
+    # budgets; an empty "skipped": nothing)
+    budget: dict | None = None
     version: int = CALIBRATION_VERSION
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -201,6 +204,7 @@ class Calibration:
             "model": self.model, "costs": self.costs, "acceptance": dict(self.acceptance),
             "ngram_match": self.ngram_match, "measured": self.measured, "context": self.context,
             "positions": self.positions, "ngram": self.ngram, "topk": self.topk, "ngram_options": self.ngram_options,
+            "budget": self.budget,
         })
 
     @classmethod
@@ -228,7 +232,7 @@ class Calibration:
                            {"config": dict(o["config"]), "match": float(o["match"]),
                             "acceptance": {k: float(v) for k, v in o["acceptance"].items()},
                             "seconds_per_token": float(o["seconds_per_token"])} for o in d["ngram_options"]],
-                       version=version)
+                       budget=d.get("budget"), version=version)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CalibrationError):
                 raise

@@ -4,21 +4,26 @@ Contract: `calibrate(model, prompts)` times the model's greedy answers, counts a
 along them (top-1 agreement per pair of levels, top-k per exit for trees, the n-gram's decoder rounds by
 `ngram_rounds`), times the unit costs (`hispec.latency.timing`), fits the decoder's own per-layer factor and
 per-pass overhead (`fit_decoder_costs`) and, unless given a config, keeps the one of NGRAM_CANDIDATES that
-`auto_plan` is predicted fastest with; its docstring gives the steps. It returns the calibration; storing it in a
-checkpoint is `write_calibration`'s (`hispec.latency.calibration`).
+`auto_plan` is predicted fastest with; its docstring gives the steps. Within a time budget (`max_seconds`,
+`hispec.latency.budget`) it answers fewer prompts, counts along fewer answers, times fewer repeats and runs fewer
+(or no) draft-step runs rather than run past it, and records what it left out (`Calibration.budget`). Every timer
+waits for the device's queued work (`hispec.timing`). It returns the calibration; storing it in a checkpoint is
+`write_calibration`'s (`hispec.latency.calibration`).
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-import time
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
+from .. import timing
 from ..ngram import NgramConfig, propose
 from ..prompts import Prompt, render
+from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
 from .model import DEFAULT_MAX_GAMMA, FULL, NGRAM, acceptance_from_counts, level_name, pair_key
 from .plans import auto_plan
@@ -82,10 +87,10 @@ def ngram_rounds(tokens: torch.Tensor, P: int, answer: list[int], upper_argmax: 
     acc = proposed = rej = rounds = matched = 0
     j = 1  # answer token j is next; known: prompt + answer[:j]
     while j < N:
-        t0 = time.perf_counter()
+        t0 = timing.now()  # (a lookup on the host: nothing to wait for)
         prop = propose(tokens[: P + j], ngram).tolist()
         if lookup_times is not None:
-            lookup_times.append(time.perf_counter() - t0)
+            lookup_times.append(timing.now() - t0)
         rounds += 1
         a = 0
         if prop:
@@ -118,24 +123,177 @@ def fit_decoder_costs(step: float | None, draft: float | None, *, L: int, e: int
     return scale, max(0.0, S - scale * L * layer)
 
 
-def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int) -> float | None:
+def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int, budget: Budget, step: float,
+                        progress: bool = False) -> float | None:
     """The decoder's median seconds per draft step of the draft exit (level 0 of `self-spec`), over short runs after
-    one untimed warm-up run."""
-    per = []
+    one untimed warm-up run; a run starts only while it fits the budget (first guess, before any was timed: every
+    token costs gamma draft steps and a verification, each as dear as a plain step `step`); None when none was
+    timed."""
+    per, spent = [], []
     max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
-    for i, ids in enumerate(ids_list[:1] + ids_list):  # the first run warms up (kernels for new shapes), untimed
+    runs = ids_list[:1] + ids_list  # the first run warms up (kernels for new shapes), untimed
+    worst = step * (int(model.hispec_config.gamma) + 1)  # seconds a token, before any run was timed
+    bar = tqdm(total=len(runs), desc="calibration: draft steps", disable=not progress, file=sys.stderr)
+    for i, ids in enumerate(runs):
         n = min(max_new_tokens, 32, max_pos - len(ids) if max_pos else 32)
         if n < 2:
             continue
+        if not budget.fits("decoder", n * (max(spent) if spent else worst)):
+            budget.skip("draft_step_runs", {"timed": len(per), "of": len(runs) - 1})
+            break
+        t0 = timing.now(model.adapter.device)
         out = model.generate(torch.tensor([ids], device=model.adapter.device), strategy="self-spec", max_new_tokens=n)
+        spent.append((timing.now(model.adapter.device) - t0) / n)
         st = out.stats.levels[0]
         if st.passes and i:
             per.append(st.seconds / st.passes)
+        bar.update()
+    bar.close()
     return statistics.median(per) if per else None
 
 
+def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progress: bool):
+    """Step 1: the model's greedy answers and the seconds of a decode step (prefill excluded) per answer; after the
+    first, an answer starts only while one more (the slowest so far) fits the budget's share."""
+    dev = model.adapter.device
+    max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
+    answers, steps, spent = [], [], []
+    with tqdm(total=len(ids_list), desc="calibration: greedy answers", disable=not progress, file=sys.stderr) as bar:
+        for ids in ids_list:
+            if spent and not budget.fits("answers", max(spent)):
+                budget.skip("prompts", {"answered": len(answers), "of": len(ids_list)})
+                break
+            n_new = max_new_tokens if not max_pos else max(0, min(max_new_tokens, max_pos - len(ids)))
+            t0 = timing.now(dev)
+            out = model.generate(torch.tensor([ids], device=dev), strategy="ar", max_new_tokens=n_new)
+            spent.append(timing.now(dev) - t0)
+            new = list(out.new_tokens[0])
+            answers.append(new)
+            if len(new) >= 2:
+                steps.append((spent[-1] - out.stats.seconds.get("prefill", 0.0)) / (len(new) - 1))
+            bar.update()
+    return answers, steps
+
+
+@dataclass
+class _Counts:
+    """Step 2's tallies: top-1 agreement per pair of levels, the n-gram's rounds per config and level, top-k hits
+    per exit, the lookups' times."""
+
+    levels: list
+    configs: list
+    agree: dict = field(default_factory=dict)  # "lo>hi": [agreeing positions, positions]
+    ngram: list = field(default_factory=list)  # per config {level: [accepted, proposed, rejections, rounds, matched]}
+    topk_hits: dict = field(default_factory=dict)
+    lookups: list = field(default_factory=list)
+    positions: int = 0
+
+    def __post_init__(self):
+        self.agree = {pair_key(a, b): [0, 0] for i, a in enumerate(self.levels) for b in self.levels[i + 1:]}
+        self.ngram = [{lv: [0, 0, 0, 0, 0] for lv in self.levels} for _ in self.configs]
+
+    def add(self, tokens: torch.Tensor, P: int, ans: list[int], arg: dict, top: dict) -> None:
+        """One answer's argmaxes (`arg`: per level, and per (level, upper level) for context heads) and exits' top-k
+        indices (`top`)."""
+        N = len(ans)
+        for lv, idx in top.items():  # the model's argmax among the exit's top-k, k = 1..MAX_TREE_WIDTH
+            full_arg = torch.tensor(arg[FULL], device=idx.device)[:, None]
+            hit = (idx == full_arg).cumsum(-1).clamp(max=1).sum(0).tolist()
+            self.topk_hits[lv] = [a + b for a, b in zip(self.topk_hits.setdefault(lv, [0] * len(hit)), hit)]
+        for key, c in self.agree.items():
+            lo, hi = key.split(">")
+            c[0] += sum(x == y for x, y in zip(arg.get((lo, hi), arg[lo]), arg[hi]))
+            c[1] += N - 1
+        self.positions += N - 1
+        for c, cfg in enumerate(self.configs):
+            for lv in self.levels:
+                counts = ngram_rounds(tokens, P, ans, arg[lv], cfg, self.lookups if c == 0 else None)
+                self.ngram[c][lv] = [x + y for x, y in zip(self.ngram[c][lv], counts)]
+
+
+def _teacher_forced(model, ids: list[int], ans: list[int], draw: torch.Generator):
+    """Prompt + answer through the model once -> (the sequence [1, P + N]; per level the argmax at the positions
+    predicting answer tokens 1..N-1, and per (level, upper level) for context heads; per exit its top-k indices)."""
+    ad = model.adapter
+    dev, L = ad.device, ad.num_layers
+    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    P, N = len(ids), len(ans)
+    seq = torch.tensor([ids + ans], device=dev)
+    pos = torch.arange(P + N, device=dev)[None]
+    cache = ad.new_cache(1)
+    arg, states, top = {}, {}, {}
+    bounds = sorted({0, L, *exits.values()})
+    with torch.no_grad():
+        h = ad.embed(seq, pos)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            h = ad.run_layers(h, a, b, position_ids=pos, cache=cache)
+            states[b] = h
+        arg[FULL] = ad.final_logits(h[:, P: P + N - 1])[0].argmax(-1).tolist()
+        for name, layer in exits.items():
+            head, lv = model.heads[name], level_name(layer)
+            if head.needs_context:  # its agreement under the frontier distances decoding gives it
+                for below, ctx in _calibration_contexts(model, name, states, P + N, draw).items():
+                    logits = model.project_exit(name, head(states[layer], context=ctx)[:, P: P + N - 1])[0]
+                    arg[(lv, below)] = logits.argmax(-1).tolist()
+                    if below == FULL:
+                        top[lv] = logits.topk(min(MAX_TREE_WIDTH, logits.shape[-1]), dim=-1).indices
+                arg[lv] = arg[(lv, FULL)]
+                continue
+            run_layer = head.run_layer_fresh(ad) if head.stateful else None
+            feats = head(states[layer], run_layer)[:, P: P + N - 1]  # positions predicting answer tokens 1..N-1
+            logits = model.project_exit(name, feats)[0]
+            arg[lv] = logits.argmax(-1).tolist()
+            top[lv] = logits.topk(min(MAX_TREE_WIDTH, logits.shape[-1]), dim=-1).indices
+    return seq, arg, top
+
+
+def _acceptance(model, ids_list, answers, configs, budget: Budget, progress: bool) -> _Counts:
+    """Step 2: the tallies along every answer (of >= 2 tokens); after the first, an answer is counted only while one
+    more (the slowest so far) fits the budget's share."""
+    exits = sorted({model.draft_layer, model.verify_layer})
+    counts = _Counts([level_name(layer) for layer in exits] + [FULL], configs)
+    draw = torch.Generator().manual_seed(0)  # frontier distances of context heads (reproducible)
+    spent, used = [], 0
+    pairs = list(zip(ids_list, answers))
+    with tqdm(total=len(pairs), desc="calibration: acceptance", disable=not progress, file=sys.stderr) as bar:
+        for ids, ans in pairs:
+            if spent and not budget.fits("acceptance", max(spent)):
+                budget.skip("answers_counted", {"counted": used, "of": len(pairs)})
+                break
+            used += 1
+            bar.update()
+            if len(ans) < 2:
+                continue
+            t0 = timing.now(model.adapter.device)
+            seq, arg, top = _teacher_forced(model, ids, ans, draw)
+            counts.add(seq[0].cpu(), len(ids), ans, arg, top)
+            spent.append(timing.now(model.adapter.device) - t0)
+    return counts
+
+
+def _unit_costs(model, ids_list, answers, configs, max_gamma: int, repeats: int, budget: Budget,
+                progress: bool) -> tuple[dict, int]:
+    """Step 3: unit costs behind the typical context (median prompt + half an answer) -> (costs, context)."""
+    max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
+    context = int(statistics.median(len(ids) + len(ans) // 2 for ids, ans in zip(ids_list, answers)))
+    chain = max(max_gamma, *(cfg.max_len for cfg in configs)) + 1
+    rows = tuple(range(1, chain + 1)) + tuple(T for T in TREE_ROWS if T > chain)  # chains; passes over trees
+    if max_pos:
+        context = max(1, min(context, max_pos - 2 * max(rows) - 2))
+
+    def fit(round_seconds: float) -> int:  # repeats of a round of every timed pass within the budget's share
+        n = budget.units("costs", round_seconds, repeats)
+        if n < repeats:
+            budget.skip("repeats", {"timed": n, "of": repeats})
+        return n
+
+    label = f"calibration: timing ({context} KV slots, T = 1..{chain}, {', '.join(map(str, rows[chain:]))})"
+    return measure_costs(model, rows, context, repeats, fit=fit, progress=label if progress else None), context
+
+
 def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | None = None,
-              progress: bool = False, repeats: int = 10, max_gamma: int = DEFAULT_MAX_GAMMA) -> Calibration:
+              progress: bool = False, repeats: int = 10, max_gamma: int = DEFAULT_MAX_GAMMA,
+              max_seconds: float | None = DEFAULT_MAX_SECONDS) -> Calibration:
     """Measure a `Calibration` of `model` (an `EarlyExitModel`) on this machine, in its dtype and thread count.
 
     `prompts`: texts (rendered with the chat template), `hispec.prompts.Prompt`s or token id lists. Steps:
@@ -158,129 +316,68 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
        `step_overhead` = S - layer_scale L layer(1) (>= 0). A layer can run slower inside the decoder than timed
        alone; charged per pass instead, that time priced every cheap draft step like a full step's extra (Qwen2.5-
        1.5B, bf16, 2-core EPYC: 71 ms of a 217 ms step; the fit gives x1.09 per layer and ~2 ms per pass). On a
-       small model the extra time is Python per pass, and the fit says so (layer_scale ~1)."""
+       small model the extra time is Python per pass, and the fit says so (layer_scale ~1).
+
+    `max_seconds` (None: no limit) bounds the whole call: steps 1-4 get 45%, 60%, 90% and 100% of it by then
+    (`hispec.latency.budget.STEPS`), and each takes on no unit of work (an answer, a counted answer, a round of
+    repeats, a draft-step run) that would end past its share; the first answer, the first counted answer and one
+    timed repeat always run, so the result is a complete calibration, noisier for what it skipped
+    (`Calibration.budget`: the limit, the seconds spent, what was skipped). `progress`: tqdm bars on stderr."""
     ad = model.adapter
-    L, dev = ad.num_layers, ad.device
-    exits = {"draft": model.draft_layer, "verify": model.verify_layer}
+    budget = Budget(max_seconds, ad.device)
     ids_list = [_prompt_ids(model, p) for p in prompts]
     if not ids_list or any(not ids for ids in ids_list):
         raise ValueError("calibration needs at least one non-empty prompt")
-    max_pos = getattr(ad.config, "max_position_embeddings", None)
     if ngram is None and getattr(model.hispec_config, "ngram", None):
         ngram = NgramConfig(**model.hispec_config.ngram)
     configs = [ngram] if ngram is not None else list(NGRAM_CANDIDATES)
 
-    # 1. the model's own greedy answers, timed
-    answers, steps = [], []
-    for ids in tqdm(ids_list, desc="calibration: greedy answers", disable=not progress, file=sys.stderr):
-        n_new = max_new_tokens if not max_pos else max(0, min(max_new_tokens, max_pos - len(ids)))
-        t0 = time.perf_counter()
-        out = model.generate(torch.tensor([ids], device=dev), strategy="ar", max_new_tokens=n_new)
-        wall = time.perf_counter() - t0
-        new = list(out.new_tokens[0])
-        answers.append(new)
-        if len(new) >= 2:
-            steps.append((wall - out.stats.seconds.get("prefill", 0.0)) / (len(new) - 1))
-
-    # 2. acceptances, teacher-forced along those answers
-    levels = [level_name(layer) for layer in sorted(exits.values())] + [FULL]
-    agree = {pair_key(a, b): [0, 0] for i, a in enumerate(levels) for b in levels[i + 1:]}
-    # per n-gram config and level: accepted, proposed, rejections, rounds, rounds with a proposal
-    ng = [{lv: [0, 0, 0, 0, 0] for lv in levels} for _ in configs]
-    positions = 0
-    lookups = []
-    topk_hits: dict[str, list[int]] = {}
-    bounds = sorted({0, L, *exits.values()})
-    draw = torch.Generator().manual_seed(0)  # frontier distances of context heads (reproducible)
-    for ids, ans in tqdm(list(zip(ids_list, answers)), desc="calibration: acceptance", disable=not progress,
-                         file=sys.stderr):
-        P, N = len(ids), len(ans)
-        if N < 2:
-            continue
-        seq = torch.tensor([ids + ans], device=dev)
-        pos = torch.arange(P + N, device=dev)[None]
-        cache = ad.new_cache(1)
-        arg, states, top = {}, {}, {}
-        with torch.no_grad():
-            h = ad.embed(seq, pos)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                h = ad.run_layers(h, a, b, position_ids=pos, cache=cache)
-                states[b] = h
-            arg[FULL] = ad.final_logits(h[:, P: P + N - 1])[0].argmax(-1).tolist()
-            for name, layer in exits.items():
-                head = model.heads[name]
-                lv = level_name(layer)
-                if head.needs_context:  # its agreement under the frontier distances decoding gives it
-                    for below, ctx in _calibration_contexts(model, name, states, P + N, draw).items():
-                        logits = model.project_exit(name, head(states[layer], context=ctx)[:, P: P + N - 1])[0]
-                        arg[(lv, below)] = logits.argmax(-1).tolist()
-                        if below == FULL:
-                            top[lv] = logits.topk(min(MAX_TREE_WIDTH, logits.shape[-1]), dim=-1).indices
-                    arg[lv] = arg[(lv, FULL)]
-                    continue
-                run_layer = head.run_layer_fresh(ad) if head.stateful else None
-                feats = head(states[layer], run_layer)[:, P: P + N - 1]  # positions predicting answer tokens 1..N-1
-                logits = model.project_exit(name, feats)[0]
-                arg[lv] = logits.argmax(-1).tolist()
-                top[lv] = logits.topk(min(MAX_TREE_WIDTH, logits.shape[-1]), dim=-1).indices
-        full_arg = torch.tensor(arg[FULL], device=dev)[:, None]
-        for lv, idx in top.items():  # the model's argmax among the exit's top-k, k = 1..MAX_TREE_WIDTH
-            hit = (idx == full_arg).cumsum(-1).clamp(max=1).sum(0).tolist()
-            topk_hits[lv] = [a + b for a, b in zip(topk_hits.setdefault(lv, [0] * len(hit)), hit)]
-        for key, c in agree.items():
-            lo, hi = key.split(">")
-            c[0] += sum(x == y for x, y in zip(arg.get((lo, hi), arg[lo]), arg[hi]))
-            c[1] += N - 1
-        positions += N - 1
-        for c, cfg in enumerate(configs):
-            for lv in levels:
-                counts = ngram_rounds(seq[0].cpu(), P, ans, arg[lv], cfg, lookups if c == 0 else None)
-                ng[c][lv] = [x + y for x, y in zip(ng[c][lv], counts)]
-    if positions == 0:
+    answers, steps = _greedy_answers(model, ids_list, max_new_tokens, budget, progress)
+    counts = _acceptance(model, ids_list, answers, configs, budget, progress)
+    if counts.positions == 0:
         raise ValueError(f"calibration needs answers of >= 2 tokens; got none (max_new_tokens={max_new_tokens})")
-    acceptance = {k: c[0] / c[1] for k, c in agree.items()}
-    ngram_acc = [{pair_key(NGRAM, lv): acceptance_from_counts(*counts[:3]) or 0.0 for lv, counts in per.items()}
-                 for per in ng]
-    # exact for ngram > full: teacher forcing follows the model's own greedy path
-    ngram_match = [per[FULL][4] / max(per[FULL][3], 1) for per in ng]
-
-    # 3. unit costs, behind the typical context
-    context = int(statistics.median(len(ids) + len(ans) // 2 for ids, ans in zip(ids_list, answers)))
-    chain = max(max_gamma, *(cfg.max_len for cfg in configs)) + 1
-    rows = tuple(range(1, chain + 1)) + tuple(T for T in TREE_ROWS if T > chain)  # chains; passes over trees
-    if max_pos:
-        context = max(1, min(context, max_pos - 2 * max(rows) - 2))
-    if progress:
-        print(f"calibration: timing layers and heads ({context} KV slots, T = 1..{chain}, "
-              f"{', '.join(map(str, rows[chain:]))})", file=sys.stderr)
-    costs = measure_costs(model, rows, context, repeats)
-    costs["ngram"] = statistics.median(lookups)
+    costs, context = _unit_costs(model, ids_list, answers, configs, max_gamma, repeats, budget, progress)
+    costs["ngram"] = statistics.median(counts.lookups)
 
     # 4. the decoder's own costs: a per-layer factor and a per-pass overhead, from a plain and a draft step
     step = statistics.median(steps) if steps else None
-    draft = _draft_step_seconds(model, ids_list[:3], max_new_tokens) if step else None
+    draft = _draft_step_seconds(model, ids_list[:3], max_new_tokens, budget, step, progress) if step else None
+    draft_layer = model.draft_layer
     costs["layer_scale"], costs["step_overhead"] = fit_decoder_costs(
-        step, draft, L=L, e=exits["draft"], layer=costs["layer"][1], final=costs["final"][1],
-        head=costs["head"][level_name(exits["draft"])][1])
-    measured = {"ar": 1.0 / step} if step else None
+        step, draft, L=ad.num_layers, e=draft_layer, layer=costs["layer"][1], final=costs["final"][1],
+        head=costs["head"][level_name(draft_layer)][1])
+    base = dict(machine=machine_fingerprint(ad.device, model), dtype=_dtype_name(ad.dtype),
+                threads=torch.get_num_threads(), model=model_identity(model), costs=costs,
+                measured={"ar": 1.0 / step} if step else None, context=context, positions=counts.positions,
+                topk={pair_key(lv, FULL): [h / counts.positions for h in hits]
+                      for lv, hits in counts.topk_hits.items()})
+    cal = _choose_ngram(base, counts, min(5, max_new_tokens), progress)
+    cal.budget = budget.report()
+    return cal
 
-    # 5. the n-gram config: of those measured, the one auto's plan is predicted fastest with (the first on a tie)
+
+def _choose_ngram(base: dict, counts: _Counts, max_depth: int, progress: bool = False) -> Calibration:
+    """Step 5: of the n-gram configs measured, the calibration with the one auto's plan is predicted fastest with
+    (the first on a tie); the others are listed in `ngram_options` (None: one measured)."""
+    acceptance = {k: c[0] / c[1] for k, c in counts.agree.items()}
+    ngram_acc = [{pair_key(NGRAM, lv): acceptance_from_counts(*per[lv][:3]) or 0.0 for lv in per}
+                 for per in counts.ngram]
+    # exact for ngram > full: teacher forcing follows the model's own greedy path
+    ngram_match = [per[FULL][4] / max(per[FULL][3], 1) for per in counts.ngram]
+
     def with_config(c: int, options=None) -> Calibration:
-        cfg = configs[c]
-        return Calibration(machine=machine_fingerprint(dev, model), dtype=_dtype_name(ad.dtype),
-                           threads=torch.get_num_threads(), model=model_identity(model), costs=costs,
-                           acceptance={**acceptance, **ngram_acc[c]}, ngram_match=ngram_match[c], measured=measured,
-                           context=context, positions=positions,
+        cfg = counts.configs[c]
+        return Calibration(**base, acceptance={**acceptance, **ngram_acc[c]}, ngram_match=ngram_match[c],
                            ngram={"max_ngram": cfg.max_ngram, "min_ngram": cfg.min_ngram, "max_len": cfg.max_len},
-                           topk={pair_key(lv, FULL): [h / positions for h in hits] for lv, hits in topk_hits.items()},
                            ngram_options=options)
 
-    if len(configs) == 1:
+    if len(counts.configs) == 1:
         return with_config(0)
     options = []
-    for c in range(len(configs)):
+    for c in tqdm(range(len(counts.configs)), desc="calibration: n-gram configs", disable=not progress,
+                  file=sys.stderr):
         cal = with_config(c)
         options.append({"config": cal.ngram, "match": cal.ngram_match, "acceptance": ngram_acc[c],
-                        "seconds_per_token": auto_plan(cal, max_depth=min(5, max_new_tokens)).seconds_per_token})
-    best = min(range(len(configs)), key=lambda c: options[c]["seconds_per_token"])
+                        "seconds_per_token": auto_plan(cal, max_depth=max_depth).seconds_per_token})
+    best = min(range(len(counts.configs)), key=lambda c: options[c]["seconds_per_token"])
     return with_config(best, options)

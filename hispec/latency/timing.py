@@ -1,33 +1,48 @@
 """Timing the latency model's unit costs on this machine.
 
 Contract: `measure_costs(model, rows, context)` returns {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}
-for an `EarlyExitModel`: medians of interleaved timings (`median_times`, `time.perf_counter`) of passes over T new
+for an `EarlyExitModel`: medians of interleaved timings (`median_times`, on `hispec.timing`'s clock after the device
+finished its queued work, so a GPU's asynchronous kernels are timed, not their launch) of passes over T new
 positions behind a KV cache of `context` random positions (`KVBench`, which rolls every timed pass back), each
 table fitted non-decreasing in T (`nondecreasing`); `measure_layer_costs` is the per-layer table alone (raw
-medians). Only unit costs are measured here; the rest of a calibration is `hispec.latency.measure`'s.
+medians). Given a time budget (`fit`: repeats for the seconds of one round) it times fewer repeats rather than run
+past it. Only unit costs are measured here; the rest of a calibration is `hispec.latency.measure`'s.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
+import sys
 
 import torch
+from tqdm.auto import tqdm
 
+from .. import timing
 from ..heads import ContextInputs
 from .model import DEFAULT_MAX_GAMMA, level_name
 
 
-def median_times(fns: dict, repeats: int) -> dict:
-    """Median wall time of each callable, interleaved round by round (drift hits all alike), after a warm-up."""
-    for fn in fns.values():
-        fn()
-    samples = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
+def median_times(fns: dict, repeats: int, *, device=None, fit=None, progress: str | None = None) -> dict:
+    """Median wall time of each callable, interleaved round by round (drift hits all alike), after a warm-up round.
+    `device`: the work the callables queue there is waited for before each clock read (`hispec.timing.now`).
+    `fit(seconds of the warm-up round) -> repeats` (optional) may lower `repeats` (at least 1: a time budget).
+    `progress`: a tqdm bar with that label on stderr."""
+    with tqdm(total=len(fns) * (repeats + 1), desc=progress, disable=not progress, file=sys.stderr) as bar:
+        t0 = timing.now(device)
+        for fn in fns.values():
             fn()
-            samples[k].append(time.perf_counter() - t0)
+            bar.update()
+        if fit is not None:
+            repeats = max(1, min(repeats, fit(timing.now(device) - t0)))
+            bar.total = len(fns) * (repeats + 1)
+            bar.refresh()
+        samples = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                t0 = timing.now(device)
+                fn()
+                samples[k].append(timing.now(device) - t0)
+                bar.update()
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -131,18 +146,23 @@ def measure_layer_costs(model, rows=(1, 2, 4, 8), context: int = 256, repeats: i
     timed alone, whose weights would stay in cache between repeats). Raw medians, not smoothed."""
     bench = bench or KVBench(model, context)
     L = model.adapter.num_layers
-    return {T: t / L for T, t in median_times({T: bench.layers(T) for T in rows}, repeats).items()}
+    times = median_times({T: bench.layers(T) for T in rows}, repeats, device=model.adapter.device)
+    return {T: t / L for T, t in times.items()}
 
 
-def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: int = 256, repeats: int = 10) -> dict:
+def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: int = 256, repeats: int = 10, *,
+                  fit=None, progress: str | None = None) -> dict:
     """Unit costs of an `EarlyExitModel`: {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}, medians
-    of `repeats` interleaved timings, each made non-decreasing in T (`nondecreasing`)."""
+    of `repeats` interleaved timings (fewer where `fit` says so: `median_times`), each made non-decreasing in T
+    (`nondecreasing`). A layer's cost is a pass over all layers / depth (see `measure_layer_costs`)."""
     bench = KVBench(model, context)
     exits = {"draft": model.draft_layer, "verify": model.verify_layer}
     fns = {("final", T): bench.final(T) for T in rows}
     fns.update({(name, T): bench.head(name, T) for name in exits for T in rows})
-    t = median_times(fns, repeats)
-    return {"layer": nondecreasing(measure_layer_costs(model, rows, context, repeats, bench)),
+    fns.update({("layers", T): bench.layers(T) for T in rows})
+    t = median_times(fns, repeats, device=model.adapter.device, fit=fit, progress=progress)
+    L = model.adapter.num_layers
+    return {"layer": nondecreasing({T: t[("layers", T)] / L for T in rows}),
             "head": {level_name(layer): nondecreasing({T: t[(name, T)] for T in rows})
                      for name, layer in exits.items()},
             "final": nondecreasing({T: t[("final", T)] for T in rows})}

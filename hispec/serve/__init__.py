@@ -2,6 +2,7 @@
 OpenAI-compatible HTTP server (`server`, needs the `serve` extra: fastapi, uvicorn)."""
 
 from .engine import Engine, EngineError, Handle, Request
-from .paged import KVPoolFull, PagedKVCache, PagedKVStore
+from .paged import PAGED_UNAVAILABLE, KVPoolFull, PagedKVCache, PagedKVStore, PagedKVUnavailable
 
-__all__ = ["Engine", "EngineError", "Handle", "Request", "KVPoolFull", "PagedKVCache", "PagedKVStore"]
+__all__ = ["Engine", "EngineError", "Handle", "Request", "KVPoolFull", "PagedKVCache", "PagedKVStore",
+           "PagedKVUnavailable", "PAGED_UNAVAILABLE"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ import torch
 from ..decoding import (GenerationStats, LevelStats, _as_list, _AutoPolicy, _auto_chain, _calibration, _Run,
                         _stop_checker, build_levels, default_strategy, ngram_config, parse_hierarchy)
 from ..sampling import check_verification
+from . import paged as paged_kv
 from .paged import PagedKVCache, PagedKVStore
 
 
@@ -84,13 +86,18 @@ class Engine:
 
     `paged=True` keeps KV in a `PagedKVStore` of `kv_blocks` blocks (or `kv_memory_mb`) of `block_size`
     positions; `paged=False` uses the contiguous `KVCache` per group (rows joining pad it; `kv_blocks` is then only
-    the admission budget). `strategy`: the default for requests that give none (default: `hispec.decoding.
-    default_strategy(model)`)."""
+    the admission budget), as does `paged=True` on a transformers without the paged pool's allocators (with a
+    warning that says so: `hispec.serve.paged.PAGED_UNAVAILABLE`). `strategy`: the default for requests that give
+    none (default: `hispec.decoding.default_strategy(model)`)."""
 
     def __init__(self, model, *, paged: bool = True, kv_blocks: int | None = None, kv_memory_mb: float | None = None,
                  block_size: int = 16, max_batch: int = 64, prefill_chunk: int | None = 512,
                  strategy: str | None = None, max_queue: int = 4096, eos_token_id=None):
         self.model = model
+        if paged and paged_kv.PAGED_UNAVAILABLE is not None:
+            warnings.warn(f"{paged_kv.PAGED_UNAVAILABLE}; serving with contiguous KV caches instead", RuntimeWarning,
+                          stacklevel=2)
+            paged = False
         self.paged = paged
         if paged:
             self.store = PagedKVStore.for_model(model, num_blocks=kv_blocks, memory_mb=kv_memory_mb,

@@ -30,6 +30,10 @@ in-window positions that a rollback needs again; the masks still apply the windo
 memory saving of a ring buffer is lost). Block sharing / prefix caching is off (`allow_block_sharing=False`):
 blocks are freed mid-row by rollback, which the ledger's content hashes do not model.
 Tree drafts (`compact`) need several slots per position (siblings) and are refused here.
+
+Transformers versions without those pieces (`cache_allocators` is newer than 5.17) still import this module:
+`PAGED_UNAVAILABLE` then says why, `PagedKVStore` refuses to be built (`PagedKVUnavailable`, naming the version and
+`--contiguous`), and `hispec.serve.Engine` falls back to its contiguous caches with a warning.
 """
 
 from __future__ import annotations
@@ -37,13 +41,40 @@ from __future__ import annotations
 from math import lcm
 
 import torch
-from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
-from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
-from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+import transformers
+
+try:
+    from transformers.generation.continuous_batching.cache_allocators.cache_pool import CachePool
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+except ImportError as _e:  # an older transformers: no paged pool (`PAGED_UNAVAILABLE`), the rest of serving works
+    CachePool = FullAttentionCacheAllocator = None
+    PAGED_UNAVAILABLE: str | None = (
+        f"transformers {transformers.__version__} has no continuous-batching cache allocators ({_e}); the paged KV "
+        "pool needs a newer transformers (tested: 5.25.0), or serve with contiguous caches (--contiguous)")
+else:
+    PAGED_UNAVAILABLE = None
+
+
+def find_num_key_value_heads(config) -> int:
+    """Key/value heads per layer (as transformers' continuous batching reads them)."""
+    heads = getattr(config, "num_key_value_heads", None)
+    return int(heads if heads is not None else config.num_attention_heads)
+
+
+def find_head_dim(config) -> int:
+    """Per-head dimension (as transformers' continuous batching reads it)."""
+    dim = getattr(config, "head_dim", None)
+    return int(dim if dim is not None else config.hidden_size // config.num_attention_heads)
 
 
 class KVPoolFull(RuntimeError):
     """The pool has no free block for a row that needs one (the engine's admission control prevents this)."""
+
+
+class PagedKVUnavailable(RuntimeError):
+    """This transformers has no continuous-batching cache allocators to build the paged pool on."""
 
 
 class PagedKVStore:
@@ -52,6 +83,8 @@ class PagedKVStore:
 
     def __init__(self, config, num_layers: int, *, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device=None):
+        if PAGED_UNAVAILABLE is not None:
+            raise PagedKVUnavailable(PAGED_UNAVAILABLE)
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_layers, self.block_size, self.dtype = num_layers, block_size, dtype
@@ -218,9 +251,15 @@ class PagedKVCache:
     def truncate(self, start: int, end: int, keep_below: torch.Tensor) -> None:
         """Roll layers `[start, end)` back to positions `< keep_below[b]` and free each row's blocks past its
         longest layer."""
-        if start >= end or not self.batch_size:
+        self.truncate_ranges([(start, end)], keep_below)
+
+    def truncate_ranges(self, ranges, keep_below: torch.Tensor) -> None:
+        """`truncate` of several layer ranges at once (the blocks to keep are read from the device once)."""
+        ranges = [(s, e) for s, e in ranges if s < e]
+        if not ranges or not self.batch_size:
             return
-        self.lens[start:end] = torch.minimum(self.lens[start:end], keep_below.to(self.lens.device)[None])
+        for start, end in ranges:
+            self.lens[start:end] = torch.minimum(self.lens[start:end], keep_below.to(self.lens.device)[None])
         need = (self.lens.max(0).values + self.store.block_size - 1) // self.store.block_size
         for rid, n in zip(self.rids, need.tolist()):
             self.store.keep_blocks(rid, n)
