@@ -19,12 +19,9 @@ only in what trains:
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import asdict
 
 import torch
-from torch.utils.data import DataLoader, SequentialSampler
 
 from hispec.distill.args import ConfigError
 from hispec.distill.drafter import drafter_aux_layers
@@ -59,11 +56,8 @@ class DrafterTrainer(Trainer):
     progress_name = "training eagle3 drafter"
 
     def __init__(self, model, data, m, d, g, t, accelerate_kwargs: dict, resume_dir=None):
-        from accelerate import Accelerator, DataLoaderConfiguration
-
-        from hispec.distill import data as tdata
         from hispec.distill.drafter import DrafterCollator, DrafterForTraining
-        from hispec.distill.trainer import STATE_FILE, logger, output_dir_of
+        from hispec.distill.trainer import logger, output_dir_of
 
         if not data.cached:
             raise ConfigError("an eagle3 drafter trains from a feature cache: set feature_cache: DIR")
@@ -71,50 +65,17 @@ class DrafterTrainer(Trainer):
         self.output_dir = output_dir_of(t)
         self.steps = m.eagle3_ttt_steps
         self.drafter = _make_drafter(model, m, data.train)
-        collate = DrafterCollator(self.drafter.config.aux_layers, self.steps)
-        train_dl = DataLoader(data.train, batch_size=t.per_device_train_batch_size,
-                              sampler=tdata.EpochSampler(len(data.train), t.seed), collate_fn=collate)
-        eval_dl = (DataLoader(data.eval, batch_size=t.per_device_eval_batch_size, sampler=SequentialSampler(data.eval),
-                              collate_fn=collate) if data.eval is not None and len(data.eval) else None)
-        report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
-        self.accelerator = acc = Accelerator(
-            gradient_accumulation_steps=t.gradient_accumulation_steps, log_with=report_to or None,
-            project_dir=str(self.output_dir), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
-            **accelerate_kwargs)
-        module = DrafterForTraining(self.drafter, model.base.get_input_embeddings())
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
-        prepared = acc.prepare(module, optimizer, train_dl, *([eval_dl] if eval_dl is not None else []))
-        self.heads, self.optimizer, self.train_dl = prepared[:3]
-        self.eval_dl = prepared[3] if eval_dl is not None else None
-        self.steps_per_epoch = max(1, math.ceil(len(self.train_dl) / t.gradient_accumulation_steps))
-        self.total_steps = t.max_steps if t.max_steps > 0 else self.steps_per_epoch * t.num_train_epochs
-        self.ranges, self.loss_fn = None, None
-        self.completed, self.history, self.prior_seconds, self.t_train = 0, [], 0.0, time.time()
+        self._prepare(DrafterForTraining(self.drafter, model.base.get_input_embeddings()),
+                      DrafterCollator(self.drafter.config.aux_layers, self.steps), accelerate_kwargs)
+        self.ranges = None
         c = self.drafter.config
         ids = self.drafter.draft_token_ids()
         self.run_info = {"head_type": "eagle3", "aux_layers": c.aux_layers, "ttt_steps": self.steps,
                          "step_decay": m.eagle3_step_decay, "draft_vocab_size": c.draft_vocab_size,
-                         "draft_vocab_ids_sum": None if ids is None else int(ids.sum()),
-                         "train_examples": len(data.train),
-                         "eval_examples": len(data.eval) if data.eval is not None else 0,
-                         "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                         "world_size": acc.num_processes, "sources": data.sources, "feature_cache": data.cache_info}
-        if resume_dir is not None:
-            saved = json.loads((resume_dir / STATE_FILE).read_text())
-            for key in ("head_type", "aux_layers", "ttt_steps", "step_decay", "draft_vocab_size",
-                        "draft_vocab_ids_sum"):
-                if saved["run"].get(key) != self.run_info[key]:
-                    raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={saved['run'].get(key)!r}, "
-                                      f"this run asks for {self.run_info[key]!r}; resume with the same configuration")
-            acc.load_state(str(resume_dir))
-            self.completed, self.history = int(saved["step"]), list(saved.get("history", []))
-            self.prior_seconds = float(saved.get("train_seconds", 0.0))
-            logger.info("resumed from %s at step %d", resume_dir, self.completed)
-        self.config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
-        if report_to:
-            acc.init_trackers("hispec-eagle3", config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                                       for k, v in self.config_dump.items()})
+                         "draft_vocab_ids_sum": None if ids is None else int(ids.sum()), **self._data_info()}
+        self._resume(resume_dir, ("head_type", "aux_layers", "ttt_steps", "step_decay", "draft_vocab_size",
+                                  "draft_vocab_ids_sum"))
+        self._start_trackers("hispec-eagle3", m, d, g, t)
         logger.info("training an eagle3 drafter: aux layers %s, %d draft steps, draft vocabulary %d, %d sequences, "
                     "%d steps", c.aux_layers, self.steps, c.draft_vocab_size, len(data.train), self.total_steps)
 

@@ -480,56 +480,71 @@ class Trainer:
         self.model, self.data, self.t, self.adapter = model, data, t, model.adapter
         self.output_dir = output_dir_of(t)
         self.exits = (model.draft_layer, model.verify_layer)
-        train_dl = DataLoader(data.train, batch_size=t.per_device_train_batch_size,
-                              sampler=tdata.EpochSampler(len(data.train), t.seed), collate_fn=data.collate)
-        eval_dl = (DataLoader(data.eval, batch_size=t.per_device_eval_batch_size, sampler=SequentialSampler(data.eval),
-                              collate_fn=data.collate) if data.eval is not None and len(data.eval) else None)
-        report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
-        self.accelerator = acc = Accelerator(
-            gradient_accumulation_steps=t.gradient_accumulation_steps, log_with=report_to or None,
-            project_dir=str(self.output_dir), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
-            **accelerate_kwargs)
         vocab_info = self._restrict_vocab(model, d, t)
-        heads = HeadsForTraining(model.heads.float(), self.adapter)
-        self.params = [p for p in heads.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
-        if eval_dl is not None:
-            self.heads, self.optimizer, self.train_dl, self.eval_dl = acc.prepare(heads, optimizer, train_dl, eval_dl)
-        else:
-            (self.heads, self.optimizer, self.train_dl), self.eval_dl = acc.prepare(heads, optimizer, train_dl), None
-        self.param_dtype = next(acc.unwrap_model(self.heads).parameters()).dtype
-        self.steps_per_epoch = max(1, math.ceil(len(self.train_dl) / t.gradient_accumulation_steps))
-        self.total_steps = t.max_steps if t.max_steps > 0 else self.steps_per_epoch * t.num_train_epochs
+        self._prepare(HeadsForTraining(model.heads.float(), self.adapter), data.collate, accelerate_kwargs)
+        self.param_dtype = next(self.accelerator.unwrap_model(self.heads).parameters()).dtype
         self.ranges = context_ranges(m, t)
         ctx_info = None if self.ranges is None else {
             "settings": context_settings(m), "mid": m.context_mid, "layers": model.hispec_config.context_layers,
             "ranges": {k: list(v) if v else None for k, v in self.ranges.items()}}
-        self.completed, self.history, self.prior_seconds, self.t_train = 0, [], 0.0, time.time()
         draft, verify = self.exits
-        if resume_dir is not None:
-            saved = json.loads((resume_dir / STATE_FILE).read_text())
-            now = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info,
-                   "train_vocab": vocab_info}
-            for key in ("draft_layer", "verify_layer", "head_type", "context", "train_vocab"):
-                if saved["run"].get(key) != now[key]:
-                    raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={saved['run'].get(key)!r}, "
-                                      f"this run asks for {now[key]!r}; resume with the same configuration")
-            acc.load_state(str(resume_dir))
-            self.completed, self.history = int(saved["step"]), list(saved.get("history", []))
-            self.prior_seconds = float(saved.get("train_seconds", 0.0))
-            logger.info("resumed from %s at step %d", resume_dir, self.completed)
         self.run_info = {"draft_layer": draft, "verify_layer": verify, "head_type": m.head_type, "context": ctx_info,
-                         "train_vocab": vocab_info,
-                         "train_examples": len(data.train), "eval_examples": len(data.eval) if data.eval is not None else 0,
-                         "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                         "world_size": acc.num_processes, "sources": data.sources, "feature_cache": data.cache_info}
-        self.config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
-        self.loss_fn = None
-        if report_to:
-            acc.init_trackers("hispec-heads", config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                                                      for k, v in self.config_dump.items()})
+                         "train_vocab": vocab_info, **self._data_info()}
+        self._resume(resume_dir, ("draft_layer", "verify_layer", "head_type", "context", "train_vocab"))
+        self._start_trackers("hispec-heads", m, d, g, t)
         logger.info("training: %d sequences, %d steps/epoch, %d steps, %d process(es)", len(data.train),
-                    self.steps_per_epoch, self.total_steps, acc.num_processes)
+                    self.steps_per_epoch, self.total_steps, self.accelerator.num_processes)
+
+    def _prepare(self, module, collate, accelerate_kwargs: dict) -> None:
+        """What every trained module shares (exit heads here, the EAGLE-3 drafter in `drafter_trainer`): the loaders
+        (a seeded epoch order, so resume is exact), the accelerator, AdamW, `accelerate.prepare`, the step counts;
+        `self.heads` is then the prepared module."""
+        t, data = self.t, self.data
+        train_dl = DataLoader(data.train, batch_size=t.per_device_train_batch_size,
+                              sampler=tdata.EpochSampler(len(data.train), t.seed), collate_fn=collate)
+        eval_dl = (DataLoader(data.eval, batch_size=t.per_device_eval_batch_size, sampler=SequentialSampler(data.eval),
+                              collate_fn=collate) if data.eval is not None and len(data.eval) else None)
+        self.report_to = [r.strip() for r in t.report_to.split(",") if r.strip() and r.strip() != "none"]
+        self.accelerator = acc = Accelerator(
+            gradient_accumulation_steps=t.gradient_accumulation_steps, log_with=self.report_to or None,
+            project_dir=str(self.output_dir), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False),
+            **accelerate_kwargs)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
+        prepared = acc.prepare(module, optimizer, train_dl, *([eval_dl] if eval_dl is not None else []))
+        self.heads, self.optimizer, self.train_dl = prepared[:3]
+        self.eval_dl = prepared[3] if eval_dl is not None else None
+        self.steps_per_epoch = max(1, math.ceil(len(self.train_dl) / t.gradient_accumulation_steps))
+        self.total_steps = t.max_steps if t.max_steps > 0 else self.steps_per_epoch * t.num_train_epochs
+        self.completed, self.history, self.prior_seconds, self.t_train = 0, [], 0.0, time.time()
+        self.loss_fn = None
+
+    def _data_info(self) -> dict:
+        """What the run records about its data and steps (beside what trains)."""
+        data = self.data
+        return {"train_examples": len(data.train), "eval_examples": len(data.eval) if data.eval is not None else 0,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "world_size": self.accelerator.num_processes, "sources": data.sources, "feature_cache": data.cache_info}
+
+    def _resume(self, resume_dir: Path | None, keys) -> None:
+        """Continue from a checkpoint (None: a fresh run) that was trained with the same `run_info[keys]`."""
+        if resume_dir is None:
+            return
+        saved = json.loads((resume_dir / STATE_FILE).read_text())
+        for key in keys:
+            if saved["run"].get(key) != self.run_info[key]:
+                raise ConfigError(f"checkpoint {resume_dir} was trained with {key}={saved['run'].get(key)!r}, "
+                                  f"this run asks for {self.run_info[key]!r}; resume with the same configuration")
+        self.accelerator.load_state(str(resume_dir))
+        self.completed, self.history = int(saved["step"]), list(saved.get("history", []))
+        self.prior_seconds = float(saved.get("train_seconds", 0.0))
+        logger.info("resumed from %s at step %d", resume_dir, self.completed)
+
+    def _start_trackers(self, project: str, m, d, g, t) -> None:
+        self.config_dump = {**asdict(m), **asdict(d), **asdict(g), **asdict(t)}
+        if self.report_to:
+            self.accelerator.init_trackers(project, config={k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                                                            for k, v in self.config_dump.items()})
 
     def _restrict_vocab(self, model, d: DataArguments, t: TrainArguments) -> dict | None:
         """`train_vocab_size`: both heads get the K most frequent tokens of the self-distilled answers (the files
