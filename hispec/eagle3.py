@@ -37,10 +37,18 @@ verified context and the tokens drafted before it).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
+)
+
+from .io import atomic_write, read_json, write_json
 
 FORMAT_VERSION = 1
 
@@ -114,8 +122,6 @@ class Eagle3Config:
     def llama_config(self):
         """The one-layer `LlamaConfig` that describes the drafter's decoder layer (speculators'
         `transformer_layer_config`; vLLM and SGLang build the layer from it)."""
-        from transformers import LlamaConfig
-
         return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
                            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
@@ -190,8 +196,6 @@ class _Attention(nn.Module):
         """x `[B, T, 2H]`; past (key, value) `[B, kv, S, d]` or None, or a `KVBuffer`; mask `[B, T, S + T]` bool
         (True = attend; `[B, T, S]` over a buffer) or None (causal over the T new positions, no past) -> (out
         `[B, T, H]`, key, value of the new positions)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -213,8 +217,6 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
-
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.norm_before_residual = cfg.norm_before_residual
         self.self_attn = _Attention(cfg)
@@ -236,8 +238,6 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
-
         self.config = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.aux_layers) * H, H, bias=False)
@@ -351,12 +351,6 @@ DRAFTER_FORMAT = "hispec-eagle3"
 def save_drafter(drafter: Eagle3Drafter, folder, *, base: dict, extra: dict | None = None) -> None:
     """Write `hispec_drafter.safetensors` (the state dict, speculators' names) and `hispec_drafter.json` (format,
     config, the target's identity `base` from `hispec.model.base_identity`) into `folder`, each atomically."""
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from .io import atomic_write, write_json
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()
@@ -367,19 +361,11 @@ def save_drafter(drafter: Eagle3Drafter, folder, *, base: dict, extra: dict | No
 
 
 def is_drafter_run(folder) -> bool:
-    from pathlib import Path
-
     return (Path(folder) / DRAFTER_CONFIG).is_file()
 
 
 def load_drafter(folder, device=None, dtype=None) -> tuple[Eagle3Drafter, dict]:
     """(drafter, its json) from a folder `save_drafter` wrote; a clear error for anything else."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from .io import read_json
-
     folder = Path(folder)
     if not (folder / DRAFTER_CONFIG).is_file():
         raise FileNotFoundError(f"{folder} holds no EAGLE-3 drafter ({DRAFTER_CONFIG} is missing); train one with "

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import decoding, packed
+from .eagle3 import Eagle3Drafter, is_drafter_run, load_drafter
 from .gguf import load_gguf_model, load_gguf_tokenizer
 from .heads import CONTEXT_DEFAULTS, EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
@@ -296,8 +297,6 @@ class EarlyExitModel(nn.Module):
     def attach_drafter(self, drafter) -> None:
         """Add an EAGLE-3 drafter (an `Eagle3Drafter`, or a folder holding `hispec_drafter.*`: a drafter run or a
         checkpoint exported with one) for the `eagle3` level; refused when it was made for another base."""
-        from .eagle3 import Eagle3Drafter, load_drafter
-
         if not isinstance(drafter, Eagle3Drafter):
             folder = drafter
             drafter, meta = load_drafter(folder)
@@ -555,8 +554,6 @@ def load(path_or_hub_id: str | os.PathLike, dtype=None, device=None, revision: s
     check_base_matches(hconf.base, base, where=f"heads in {name}")
     model = EarlyExitModel(base, hconf, tokenizer=tokenizer)
     model.load_heads(heads_file)
-    from .eagle3 import is_drafter_run
-
     if drafter is None and Path(name).is_dir() and is_drafter_run(name):
         drafter = name
     if drafter is not None:

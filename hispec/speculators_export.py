@@ -128,7 +128,7 @@ def export_speculators(run_dir, output_dir, *, verifier: str | None = None, revi
     if not verifier:
         raise SpeculatorsExportError(f"{run_dir} records no target model; pass the verifier's Hub id or path")
     revision = revision if revision is not None else base.get("revision")
-    cfg = speculators_config(drafter, verifier=os.path.expanduser(verifier) if verifier.startswith("~") else verifier,
+    cfg = speculators_config(drafter, verifier=os.path.expanduser(verifier),
                              architectures=base.get("architectures") or [], speculative_tokens=speculative_tokens)
     state = speculators_state_dict(drafter, dtype)
     from safetensors.torch import save_file
