@@ -110,3 +110,73 @@ def test_bad_drafter_settings_fail_before_training(env, tmp_path, extra, message
     with pytest.raises(ValueError, match=message):
         _run(_argv(env, tmp_path / "bad", *extra))
     assert not (tmp_path / "bad" / "hispec_drafter.safetensors").exists()
+
+
+def test_the_data_job_killed_while_answering_resumes_to_identical_answers_and_shards(env, pairs_file, tmp_path,
+                                                                                      monkeypatch):
+    """The whole data job of an EAGLE-3 recipe (`--data_only`: self-written prompts, the model's answers, plain text,
+    the feature cache of the aux layers), killed after two batches of answers (and the last line torn, as a kill
+    mid-write leaves it), then run again: the same answers, nothing answered twice, and shard for shard the same
+    cache as an uninterrupted job."""
+    import hispec.distill.answers as answers
+    from hispec.distill.features import open_feature_cache
+    from test_train import char_tokenizer
+    from tiny import tiny_model
+
+    model = tiny_model("llama")  # the plain tiny llama: it samples varied prompts that stop
+    model.config.eos_token_id = model.config.pad_token_id = 1
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 1
+    model.save_pretrained(tmp_path / "model")
+    char_tokenizer().save_pretrained(tmp_path / "model")
+
+    def job(root):
+        return ["--model_name_or_path", str(tmp_path / "model"), "--head_type", "eagle3", "--data_only", "true",
+                "--self_prompts", "12", "--self_prompt_batch_size", "4", "--self_prompt_max_new_tokens", "24",
+                "--self_distill", "true", "--gen_max_new_tokens", "10", "--gen_batch_size", "3",
+                "--train_file", str(env / "train.jsonl"), "--text_column", "question", "--max_samples_per_file", "6",
+                "--eval_fraction", "0.25", "--plain_text_file", str(pairs_file), "--plain_text_loss_on", "all",
+                "--self_prompts_dir", str(root / "prompts"), "--self_distill_dir", str(root / "answers"),
+                "--feature_cache", str(root / "cache"), "--feature_cache_k", "8", "--feature_cache_shard_tokens",
+                "300", "--output_dir", str(root / "run"), "--max_seq_length", "96"]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert _run(job(straight)) == 0
+    calls = {"batches": 0}
+    real = answers.answer_batches
+
+    def dies_after_two(*a, **kw):
+        for item in real(*a, **kw):
+            if calls["batches"] == 2:
+                raise KeyboardInterrupt("killed")
+            calls["batches"] += 1
+            yield item
+
+    monkeypatch.setattr(answers, "answer_batches", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        _run(job(killed))
+    monkeypatch.setattr(answers, "answer_batches", real)
+    part = killed / "answers" / "part-rank0.jsonl"
+    assert len(part.read_text().splitlines()) == 6  # two batches of 3 written and flushed
+    with open(part, "a") as f:
+        f.write('{"id": "torn')  # what a kill in the middle of a write leaves
+    assert not (killed / "cache" / "train" / "manifest.json").exists()
+    assert _run(job(killed)) == 0
+
+    def rows(root):
+        out = {}
+        for line in (root / "answers" / "part-rank0.jsonl").read_text().splitlines():
+            if line.startswith('{"id": "torn'):
+                continue
+            r = json.loads(line)
+            assert r["id"] not in out  # nothing answered twice
+            out[r["id"]] = r
+        return out
+
+    assert rows(killed) == rows(straight) and len(rows(straight)) > 6
+    for split in ("train", "eval"):
+        a, b = (open_feature_cache(root / "cache" / split) for root in (straight, killed))
+        assert a["fingerprint"] == b["fingerprint"] and a["num_tokens"] == b["num_tokens"] > 0
+        assert [s["fingerprint"] for s in a["shards"]] == [s["fingerprint"] for s in b["shards"]]
+        for s in a["shards"]:
+            x, y = (load_file(str(root / "cache" / split / s["file"])) for root in (straight, killed))
+            assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x), s["file"]

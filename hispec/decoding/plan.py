@@ -49,7 +49,7 @@ def _calibration(model):
             "--output-dir OUT --calibrate` or `hispec-bench --model CKPT --calibrate`, or pick a strategy")
     cal = cal if isinstance(cal, Calibration) else Calibration.from_dict(cal)
     cal.check(model)
-    return cal
+    return cal.for_model(model)  # (a drafter's figures only for the drafter they were measured with)
 
 
 

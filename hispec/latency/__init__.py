@@ -2,8 +2,9 @@
 
 Contract:
 - A *hierarchy* is a list of level names ordered by depth, bottom-up, ending with "full": "ngram" (prompt-lookup
-  drafting, `hispec.ngram`; only as the bottom level), "L<k>" (the exit after decoder layer k with its trained
-  head) and "full" (the model). Level i < top has a gamma `g_i`: how many tokens it gathers before level i+1
+  drafting, `hispec.ngram`; only as the bottom level), "eagle3" (an EAGLE-3 drafter, `hispec.eagle3`; only as the
+  bottom level, directly under "full"; "ngram|eagle3" tries the lookup first), "L<k>" (the exit after decoder
+  layer k with its trained head) and "full" (the model). Level i < top has a gamma `g_i`: how many tokens it gathers before level i+1
   verifies them in one pass (for "ngram": its longest proposal). `gammas[i] == 0` means level i is *skipped*:
   level i+1 produces its tokens itself (it becomes the bottom; the levels below i are idle). So
   `(["L4", "L8", "full"], [0, 3])` is self-speculation at L8 and `[0, 0]` is plain decoding.
@@ -31,12 +32,12 @@ each module imports only those listed before it:
 """
 
 from .budget import DEFAULT_MAX_SECONDS, Budget
-from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, machine_fingerprint, model_identity,
-                          read_calibration, write_calibration)
-from .measure import NGRAM_CANDIDATES, calibrate, fit_decoder_costs, ngram_rounds
-from .model import (DEFAULT_MAX_GAMMA, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
-                    best_gammas, best_hierarchy, expected_tokens, interp, level_name, level_pairs, lookup_exit,
-                    pair_key, time_per_token)
+from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, drafter_identity, machine_fingerprint,
+                          model_identity, read_calibration, write_calibration)
+from .measure import NGRAM_CANDIDATES, calibrate, drafter_rounds, fit_decoder_costs, ngram_rounds
+from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
+                    best_gammas, best_hierarchy, expected_tokens, interp, is_drafter, level_name, level_pairs,
+                    lookup_exit, pair_key, time_per_token)
 from .plans import AutoPlan, auto_plan, format_predictions, named_hierarchies, predictions
 from .timing import KVBench, measure_costs, measure_layer_costs, median_times, nondecreasing
 from .trees import (MAX_TREE_WIDTH, TREE_ROWS, best_tree, scaled_topk, tree_expected_tokens, tree_round_seconds,
@@ -54,6 +55,8 @@ __all__ = [
     "best_gammas",
     "best_hierarchy",
     "calibrate",
+    "drafter_identity",
+    "drafter_rounds",
     "expected_tokens",
     "fit_decoder_costs",
     "format_predictions",

@@ -10,6 +10,7 @@ round-trips through JSON (`to_dict` / `from_dict`, format `CALIBRATION_VERSION`)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -21,7 +22,7 @@ import torch
 from .. import packed
 from ..io import write_json
 from ..ngram import NgramConfig
-from .model import FULL, LOOKUP, NGRAM, CalibrationError, interp, level_name, lookup_exit, time_per_token
+from .model import EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, interp, level_name, lookup_exit, time_per_token
 
 CALIBRATION_VERSION = 1
 
@@ -57,8 +58,30 @@ def model_identity(model) -> dict:
     exits = {"draft": model.draft_layer, "verify": model.verify_layer}
     heads = {level_name(layer): {"exit": name, "type": cfg.head_type, "vocab_size": model.vocab_size_of(name)}
              for name, layer in exits.items()}
-    return {"num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "vocab_size": ad.vocab_size,
-            "model_type": getattr(ad.config, "model_type", None), "exits": exits, "heads": heads}
+    out = {"num_layers": ad.num_layers, "hidden_size": ad.hidden_size, "vocab_size": ad.vocab_size,
+           "model_type": getattr(ad.config, "model_type", None), "exits": exits, "heads": heads}
+    drafter = getattr(model, "drafter", None)
+    if drafter is not None:
+        out["drafter"] = drafter_identity(drafter)
+    return out
+
+
+def drafter_identity(drafter) -> dict:
+    """What a drafter's costs and acceptance depend on: its aux layers, draft vocabulary and weights (a digest of
+    the first 4096 values of every tensor, so a retrained drafter of the same shape is told apart). Computed once
+    per drafter object (decoding checks it every call; a drafter's weights do not change while it decodes)."""
+    known = getattr(drafter, "_hispec_identity", None)
+    if known is not None:
+        return dict(known)
+    h = hashlib.sha256()
+    for name, t in sorted(drafter.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    c = drafter.config
+    out = {"type": EAGLE, "aux_layers": list(c.aux_layers), "draft_vocab_size": int(c.draft_vocab_size),
+           "weights": h.hexdigest()[:16]}
+    drafter._hispec_identity = out
+    return dict(out)
 
 
 def _dtype_name(dtype) -> str:
@@ -82,8 +105,9 @@ class Calibration:
 
     `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s,
     "layer_scale": x} (x: the factor by which a layer runs slower inside the decoder than timed alone, fitted by
-    `calibrate`; absent = 1);
-    `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, ...} for every pair lower < upper; `ngram_match`: the
+    `calibrate`; absent = 1) and, calibrated with an EAGLE-3 drafter attached, "drafter": {T: s} (one drafter pass
+    over T entries; `model["drafter"]` then names that drafter, `drafter_identity`);
+    `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, "eagle3>full": a, ...} for every pair lower < upper; `ngram_match`: the
     share of the n-gram level's rounds whose lookup proposes anything; `measured`: tokens/s per strategy where a run
     measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
 
@@ -118,9 +142,32 @@ class Calibration:
         """Every level this calibration can price: "ngram" and, per exit, "ngram|Lk" (if the n-gram was measured),
         the exits, "full"."""
         exits = [level_name(e) for e in sorted(int(name[1:]) for name in self.costs.get("head", {}))]
+        drafter = [EAGLE] if self.has_drafter else []
         if self.costs.get("ngram") is None:
-            return exits + [FULL]
-        return [NGRAM] + exits + [LOOKUP + e for e in exits] + [FULL]
+            return drafter + exits + [FULL]
+        return [NGRAM] + drafter + exits + [LOOKUP + e for e in drafter + exits] + [FULL]
+
+    @property
+    def has_drafter(self) -> bool:
+        """Whether this calibration prices an EAGLE-3 drafter (its cost curve and its acceptance under "full")."""
+        return bool(self.costs.get("drafter")) and f"{EAGLE}>{FULL}" in self.acceptance
+
+    def without_drafter(self) -> Calibration:
+        """This calibration with the drafter's figures removed (for a model whose drafter it did not measure)."""
+        if not self.has_drafter and "drafter" not in self.costs:
+            return self
+        costs = {k: v for k, v in self.costs.items() if k != "drafter"}
+        acceptance = {k: v for k, v in self.acceptance.items() if EAGLE not in k}
+        model = {k: v for k, v in self.model.items() if k != "drafter"}
+        return replace(self, costs=costs, acceptance=acceptance, model=model)
+
+    def for_model(self, model) -> Calibration:
+        """This calibration, without the drafter's figures unless `model` carries the very drafter they were
+        measured with (a retrained or missing drafter: its levels are not priced, so `auto` does not pick them)."""
+        if "drafter" not in self.costs:
+            return self
+        have = model_identity(model).get("drafter")
+        return self if have is not None and have == self.model.get("drafter") else self.without_drafter()
 
     @property
     def ngram_max_len(self) -> int:
@@ -129,10 +176,12 @@ class Calibration:
 
     def depth(self, level: str) -> int:
         exit_level = lookup_exit(level)
+        if exit_level == EAGLE and self.costs.get("ngram") is not None and self.has_drafter:
+            return 0
         if exit_level is not None and self.costs.get("ngram") is not None and exit_level in self.costs.get("head", {}):
             return int(exit_level[1:])  # (a lookup-first level needs a measured n-gram and a measured exit)
-        if level == NGRAM:
-            return 0
+        if level == NGRAM or (level == EAGLE and self.has_drafter):
+            return 0  # (the drafter's tokens, like the lookup's, ran through no layer of the model)
         if level == FULL:
             return self.num_layers
         if level.startswith("L") and level[1:].isdigit() and level in self.costs.get("head", {}):
@@ -150,6 +199,8 @@ class Calibration:
         if level == FULL:
             return self._cached(("final", T), lambda: interp(self.costs["final"], T))
         level = lookup_exit(level) or level
+        if level == EAGLE:
+            return self._cached(("drafter", T), lambda: interp(self.costs["drafter"], T))
         return self._cached(("head", level, T), lambda: interp(self.costs["head"][level], T))
 
     @property
@@ -192,6 +243,8 @@ class Calibration:
             costs["layer"] = share(self.costs["layer"])
             costs["final"] = share(self.costs["final"])
             costs["head"] = {k: share(v) for k, v in self.costs.get("head", {}).items()}
+            if self.costs.get("drafter"):
+                costs["drafter"] = share(self.costs["drafter"])
             costs["step_overhead"] = self.step_overhead / rows
             memo[rows] = replace(self, costs=costs)
         return memo[rows]
@@ -220,6 +273,8 @@ class Calibration:
                      "ngram": None if c.get("ngram") is None else float(c["ngram"]),
                      "step_overhead": float(c.get("step_overhead", 0.0)),
                      "layer_scale": float(c.get("layer_scale") or 1.0)}
+            if c.get("drafter"):
+                costs["drafter"] = _int_keys(c["drafter"])
             model = dict(d["model"])
             model["exits"] = {k: int(v) for k, v in model.get("exits", {}).items()}
             return cls(machine=dict(d["machine"]), dtype=str(d["dtype"]), threads=int(d["threads"]), model=model,

@@ -25,7 +25,7 @@ from ..ngram import NgramConfig, propose
 from ..prompts import Prompt, render
 from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
-from .model import DEFAULT_MAX_GAMMA, FULL, NGRAM, acceptance_from_counts, level_name, pair_key
+from .model import DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, acceptance_from_counts, level_name, pair_key
 from .plans import auto_plan
 from .timing import measure_costs
 from .trees import MAX_TREE_WIDTH, TREE_ROWS
@@ -96,19 +96,46 @@ def ngram_rounds(tokens: torch.Tensor, P: int, answer: list[int], upper_argmax: 
         if prop:
             matched += 1
             proposed += len(prop)
-            for i, t in enumerate(prop):
-                q = j + i
-                if q >= N:
-                    break
-                if t != upper_argmax[q - 1]:
-                    rej += 1
-                    break
-                a += 1
-                if t != answer[q]:
-                    break
-            acc += a
+            a, r = _walk(prop, j, answer, upper_argmax)
+            acc, rej = acc + a, rej + r
         j += a + 1  # the accepted proposals, then U's own token
     return acc, proposed, rej, rounds, matched
+
+
+def _walk(prop, j: int, answer: list[int], upper_argmax: list[int]) -> tuple[int, int]:
+    """A proposal for answer tokens j, j+1, ... walked against U's argmax: (accepted, 1 if rejected else 0); a walk
+    that leaves the answer or runs past it stops without a rejection (censored)."""
+    a = 0
+    for i, t in enumerate(prop):
+        q = j + i
+        if q >= len(answer):
+            break
+        if t != upper_argmax[q - 1]:
+            return a, 1
+        a += 1
+        if t != answer[q]:
+            break
+    return a, 0
+
+
+def drafter_rounds(pred: list[list[int]], P: int, answer: list[int], upper_argmax: list[int],
+                   gamma: int) -> tuple[int, int, int]:
+    """The rounds an EAGLE-3 drafter runs under the full model along a known greedy answer, as the decoder would:
+    `gamma` drafts from the verified prefix, walked against the model's argmax until the first mismatch (one
+    rejection), then the model's own token. `pred[s][e]` is the drafter's step-s draft (a target id) from entry e
+    of its training-time-test pass (`Eagle3Drafter.ttt_logits` over prompt + answer: entry e reads the states of
+    position e and predicts position e + 2 + s), so a round whose first draft is answer token j reads entry
+    P + j - 2 (answer token 0 comes from prefill). `upper_argmax[q - 1]` is the model's argmax for answer token q.
+    Returns (accepted, proposed, rejections); a walk that leaves the answer or runs past it is censored."""
+    N, gamma = len(answer), min(gamma, len(pred))
+    acc = proposed = rej = 0
+    j = 1
+    while j < N:
+        prop = [pred[s][P + j - 2] for s in range(min(gamma, N - j))]  # (drafts past the answer: never made)
+        a, r = _walk(prop, j, answer, upper_argmax)
+        acc, proposed, rej = acc + a, proposed + len(prop), rej + r
+        j += a + 1
+    return acc, proposed, rej
 
 
 def fit_decoder_costs(step: float | None, draft: float | None, *, L: int, e: int, layer: float, final: float,
@@ -187,15 +214,19 @@ class _Counts:
     topk_hits: dict = field(default_factory=dict)
     lookups: list = field(default_factory=list)
     positions: int = 0
+    drafter: list = field(default_factory=lambda: [0, 0, 0])  # an EAGLE-3 drafter's [accepted, proposed, rejections]
 
     def __post_init__(self):
         self.agree = {pair_key(a, b): [0, 0] for i, a in enumerate(self.levels) for b in self.levels[i + 1:]}
         self.ngram = [{lv: [0, 0, 0, 0, 0] for lv in self.levels} for _ in self.configs]
 
     def add(self, tokens: torch.Tensor, P: int, ans: list[int], arg: dict, top: dict) -> None:
-        """One answer's argmaxes (`arg`: per level, and per (level, upper level) for context heads) and exits' top-k
-        indices (`top`)."""
+        """One answer's argmaxes (`arg`: per level, and per (level, upper level) for context heads; under EAGLE, an
+        EAGLE-3 drafter's drafts per step) and exits' top-k indices (`top`)."""
         N = len(ans)
+        if EAGLE in arg:
+            counts = drafter_rounds(arg[EAGLE], P, ans, arg[FULL], DEFAULT_MAX_GAMMA)
+            self.drafter = [a + b for a, b in zip(self.drafter, counts)]
         for lv, idx in top.items():  # the model's argmax among the exit's top-k, k = 1..MAX_TREE_WIDTH
             full_arg = torch.tensor(arg[FULL], device=idx.device)[:, None]
             hit = (idx == full_arg).cumsum(-1).clamp(max=1).sum(0).tolist()
@@ -223,12 +254,22 @@ def _teacher_forced(model, ids: list[int], ans: list[int], draw: torch.Generator
     cache = ad.new_cache(1)
     arg, states, top = {}, {}, {}
     bounds = sorted({0, L, *exits.values()})
+    drafter = getattr(model, "drafter", None)
+    aux_ids = list(drafter.config.aux_layers) if drafter is not None else []
+    aux = {}
     with torch.no_grad():
         h = ad.embed(seq, pos)
         for a, b in zip(bounds[:-1], bounds[1:]):
-            h = ad.run_layers(h, a, b, position_ids=pos, cache=cache)
+            capture = {i: None for i in aux_ids if a <= i <= b and i not in aux} or None
+            h = ad.run_layers(h, a, b, position_ids=pos, cache=cache, capture=capture)
+            aux.update(capture or {})
             states[b] = h
         arg[FULL] = ad.final_logits(h[:, P: P + N - 1])[0].argmax(-1).tolist()
+        if drafter is not None and P + N >= 2:  # its drafts per step from every entry (training-time test)
+            fused_in = torch.cat([aux[i] for i in aux_ids], -1)[:, :-1]
+            embed = model.base.get_input_embeddings()
+            logits = drafter.ttt_logits(fused_in, embed, seq[:, 1:], DEFAULT_MAX_GAMMA)
+            arg[EAGLE] = [drafter.to_target(x[0].argmax(-1)).tolist() for x in logits]
         for name, layer in exits.items():
             head, lv = model.heads[name], level_name(layer)
             if head.needs_context:  # its agreement under the frontier distances decoding gives it
@@ -360,6 +401,8 @@ def _choose_ngram(base: dict, counts: _Counts, max_depth: int, progress: bool = 
     """Step 5: of the n-gram configs measured, the calibration with the one auto's plan is predicted fastest with
     (the first on a tie); the others are listed in `ngram_options` (None: one measured)."""
     acceptance = {k: c[0] / c[1] for k, c in counts.agree.items()}
+    if counts.drafter[1]:  # an EAGLE-3 drafter's rate along its rounds (i.i.d. maximum likelihood)
+        acceptance[pair_key(EAGLE, FULL)] = acceptance_from_counts(*counts.drafter) or 0.0
     ngram_acc = [{pair_key(NGRAM, lv): acceptance_from_counts(*per[lv][:3]) or 0.0 for lv in per}
                  for per in counts.ngram]
     # exact for ngram > full: teacher forcing follows the model's own greedy path

@@ -45,6 +45,18 @@ again increasing affine in T_i. m is the n-gram's match rate per round measured 
 round the lookup misses advances one token there, E(a_ik, g) here, so the real rate per round differs a little;
 `auto` feeds the model each row's observed rate).
 
+The EAGLE-3 drafter "eagle3" (`hispec.decoding.eagle`; depth 0: its drafts ran no layer of the model, so the full
+model verifies them like the n-gram's, V_0k) drafts only for "full". Its unit cost `drafter(T)` is one pass of
+its own layer (+ fc, norms, draft lm_head) over T entries; a round drafts g tokens in g passes, the first of which
+also takes in the tokens the model verified since the drafter last ran (its context, recomputed from the model's
+states): on average E - 1 more entries, priced at the curve's slope, c(x) = drafter(1 + x) - drafter(1). So
+
+                                       T_full   = (g D_e + c(E - 1) + V_0k(g+1) + o) / E,   D_e = drafter(1) + o
+
+and the lookup-first "ngram|eagle3" is the lookup-first formula above with T_i = D_e and V_ik = V_0k, plus the
+context its drafter takes in: c(x) per round with x = the tokens verified since its last pass (every token the
+model verifies passes through the drafter's context once), i.e. m E(a_ng, n) + (1-m) (E(a_ik, g) - 1) entries.
+
 How this follows Globerson et al. ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705), and
 where it differs: as there, each level's expected output per verification is E(a, g) under i.i.d. acceptance, the
 per-token latency of a hierarchy is a recursion over its levels, and T_k is an increasing affine function of T_i
@@ -77,6 +89,7 @@ if TYPE_CHECKING:
 
 NGRAM, FULL = "ngram", "full"
 LOOKUP = "ngram|"  # "ngram|L4": the lookup-first exit level (the n-gram lookup, the exit where it finds nothing)
+EAGLE = "eagle3"  # the EAGLE-3 drafter (hispec.eagle3): a bottom level, verified by "full" only
 DEFAULT_MAX_GAMMA = 8
 
 
@@ -112,6 +125,16 @@ def acceptance_from_counts(accepted: int, proposed: int, rejections: int) -> flo
 def lookup_exit(level: str) -> str | None:
     """The exit level of a lookup-first level ("ngram|L4" -> "L4"), else None."""
     return level[len(LOOKUP):] if level.startswith(LOOKUP) else None
+
+
+def is_drafter(level: str) -> bool:
+    """Whether `level` drafts with the EAGLE-3 drafter ("eagle3", or lookup-first "ngram|eagle3")."""
+    return (lookup_exit(level) or level) == EAGLE
+
+
+def is_bottom_only(level: str) -> bool:
+    """Levels that only draft, never verify: the n-gram, the lookup-first levels and the drafter."""
+    return level == NGRAM or lookup_exit(level) is not None or level == EAGLE
 
 
 def level_pairs(lower: str, upper: str) -> list[str]:
@@ -165,6 +188,11 @@ def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float
     return e_lo * cal.layer_cost(1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
 
 
+def _drafter_context(cal: Calibration, x: float) -> float:
+    """c(x): what x more entries add to a drafter pass (its context: tokens the model verified since it last ran)."""
+    return max(0.0, cal.head_cost(EAGLE, 1 + x) - cal.head_cost(EAGLE, 1)) if x > 0 else 0.0
+
+
 def _draft_cost(cal: Calibration, level: str) -> float:
     """D_b: one token from the bottom level's own one-position pass (a lookup-first level: its exit's)."""
     return _pass_cost(cal, None, level, 1) + cal.step_overhead
@@ -186,7 +214,11 @@ def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acce
         a_n = _alpha(cal, acceptance, pair_key(NGRAM, upper))
         served = o + _pass_cost(cal, None, upper, n + 1)  # the lookup's n tokens verified in one pass
         drafted = g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o  # the exit's g tokens, then verified
-        return ((m + (1 - m) * g) * c + m * served + (1 - m) * drafted) / (m * expected_tokens(a_n, n) + (1 - m) * E)
+        E_n = expected_tokens(a_n, n)
+        context = _drafter_context(cal, m * E_n + (1 - m) * (E - 1)) if is_drafter(lower) else 0.0
+        return ((m + (1 - m) * g) * c + m * served + (1 - m) * drafted + context) / (m * E_n + (1 - m) * E)
+    if lower == EAGLE:
+        return (g * t_lower + _drafter_context(cal, E - 1) + _pass_cost(cal, None, upper, g + 1) + o) / E
     if lower == NGRAM:
         m = min(max(match, 0.0), 1.0)
         return ((t_lower + o + m * _pass_cost(cal, None, upper, g + 1) + (1 - m) * _pass_cost(cal, None, upper, 1))
@@ -200,6 +232,9 @@ def _check_levels(cal: Calibration, levels) -> list[str]:
         raise ValueError(f"a hierarchy ends with 'full' (the model), got {levels}")
     if any(lookup_exit(lv) is not None for lv in levels[1:]):
         raise ValueError(f"a lookup-first level ({LOOKUP}EXIT) can only be the bottom level, got {levels}")
+    if any(is_drafter(lv) for lv in levels) and (len(levels) != 2 or not is_drafter(levels[0])):
+        raise ValueError(f"the {EAGLE} drafter drafts directly for the full model ({EAGLE}>full or "
+                         f"{LOOKUP}{EAGLE}>full), got {levels}")
     depths = [cal.depth(lv) for lv in levels]  # raises for unknown levels
     if any(a >= b for a, b in zip(depths, depths[1:])):
         raise ValueError(f"levels must be ordered by strictly increasing depth, got {levels}")
@@ -270,12 +305,12 @@ def best_hierarchy(cal: Calibration, candidates=None, max_gamma: int = DEFAULT_M
     match = cal.ngram_match
     best: dict[str, tuple[float, list[str], list[int]]] = {}
     for k in cands:
-        if k == NGRAM or lookup_exit(k) is not None:  # bottom levels only
+        if is_bottom_only(k):  # bottom levels only
             best[k] = (_bottom_cost(cal, k), [k], [])
             continue
         top = (math.inf if speculative_only and k == FULL else _draft_cost(cal, k), [k], [])
         for i in cands:
-            if cal.depth(i) >= cal.depth(k):
+            if cal.depth(i) >= cal.depth(k) or (is_drafter(i) and k != FULL):  # (the drafter: under full only)
                 continue
             t_i, lv, gm = best[i]
             for g in range(1, max_gamma + 1):

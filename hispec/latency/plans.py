@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .model import (DEFAULT_MAX_GAMMA, FULL, LOOKUP, NGRAM, _best_chain, best_hierarchy, level_name, pair_key,
-                    time_per_token)
+from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, _best_chain, best_hierarchy, level_name,
+                    pair_key, time_per_token)
 from .trees import best_tree
 
 if TYPE_CHECKING:
@@ -33,15 +33,17 @@ class AutoPlan:
 
 def auto_plan(cal: Calibration, *, trees: bool = True, max_depth: int = 5) -> AutoPlan:
     """The latency-optimal speculative plan `auto` decodes with (rows may still decode plainly): the best chain
-    hierarchy over the n-gram, the lookup-first exits (where the n-gram was measured) and the exits
+    hierarchy over the n-gram, the lookup-first exits and drafter (where the n-gram was measured), the exits and
+    the EAGLE-3 drafter (where the calibration measured one: `Calibration.has_drafter`)
     (`best_hierarchy(speculative_only=True)`), unless `trees` and a static tree with some width > 1 (`best_tree`,
     drafted by an exit, lookup-first where the n-gram was measured; never deeper than `max_depth`) is predicted
     faster. Needs the calibration's top-k rates for trees (made since tree drafts were modelled). The decoder
     (`hispec.decoding._auto_plan`), the bench's prediction and `calibrate`'s n-gram choice all plan through here."""
     exits = [level_name(e) for e in sorted(int(name[1:]) for name in cal.costs.get("head", {}))]
+    drafter = [EAGLE] if cal.has_drafter else []  # an EAGLE-3 drafter, where the calibration measured it
     measured = cal.acceptance.get(pair_key(NGRAM, FULL)) is not None and cal.costs.get("ngram") is not None
-    lookups = [NGRAM] + [LOOKUP + e for e in exits] if measured else []
-    choice = best_hierarchy(cal, candidates=lookups + exits, speculative_only=True)
+    lookups = [NGRAM] + [LOOKUP + e for e in drafter + exits] if measured else []
+    choice = best_hierarchy(cal, candidates=lookups + drafter + exits, speculative_only=True)
     best = AutoPlan(tuple(choice.levels), tuple(choice.gammas), None,
                     time_per_token(list(choice.levels), list(choice.gammas), cal))
     if not trees or not cal.topk or max_depth < 1:
@@ -72,6 +74,10 @@ def named_hierarchies(cal: Calibration) -> dict[str, list[str]]:
             out["self-spec-lookup"] = [LOOKUP + d, FULL]
         if d and v:
             out["hispec-lookup"] = [LOOKUP + d, v, FULL]
+    if cal.has_drafter:
+        out["eagle"] = [EAGLE, FULL]
+        if NGRAM in cal.levels:
+            out["eagle-lookup"] = [LOOKUP + EAGLE, FULL]
     return out
 
 

@@ -1,7 +1,7 @@
 """Timing the latency model's unit costs on this machine.
 
 Contract: `measure_costs(model, rows, context)` returns {"layer": {T: s}, "head": {"L<k>": {T: s}}, "final": {T: s}}
-for an `EarlyExitModel`: medians of interleaved timings (`median_times`, on `hispec.timing`'s clock after the device
+for an `EarlyExitModel` (and "drafter": {T: s} when an EAGLE-3 drafter is attached): medians of interleaved timings (`median_times`, on `hispec.timing`'s clock after the device
 finished its queued work, so a GPU's asynchronous kernels are timed, not their launch) of passes over T new
 positions behind a KV cache of `context` random positions (`KVBench`, which rolls every timed pass back), each
 table fitted non-decreasing in T (`nondecreasing`); `measure_layer_costs` is the per-layer table alone (raw
@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import timing
+from ..eagle3 import KVBuffer
 from ..heads import ContextInputs
 from .model import DEFAULT_MAX_GAMMA, level_name
 
@@ -115,6 +116,28 @@ class KVBench:
 
         return run
 
+    def drafter(self, T: int):
+        """A callable: the EAGLE-3 drafter's pass over T entries behind `context` entries of its own keys, as the
+        decoder runs it (`hispec.decoding.eagle`: embeddings, fc over the aux states, its layer, norm, draft
+        lm_head, the last entry's argmax as a target id); it writes its keys into scratch slots."""
+        d, ad = self.model.drafter, self.adapter
+        c, p = d.config, next(d.parameters())
+        S = self.context + T
+        kv = [torch.randn(1, c.num_key_value_heads, S + 1, c.head_dim, generator=self.gen).to(p) for _ in "kv"]
+        aux = torch.randn(1, T, len(c.aux_layers) * c.hidden_size, generator=self.gen).to(p)
+        tokens = torch.randint(0, ad.vocab_size, (1, T), generator=self.gen).to(ad.device)
+        pos = self.context + torch.arange(T, device=ad.device)[None]
+        keys = torch.arange(S, device=ad.device)
+        embed = self.model.base.get_input_embeddings()
+
+        def run():
+            with torch.no_grad():
+                mask = (keys >= 1) & (keys <= pos[..., None])
+                out = d.step(embed(tokens).to(p.dtype), d.fuse(aux), pos, KVBuffer(kv[0], kv[1], pos), mask)
+                d.to_target(out.logits[:, -1].argmax(-1))
+
+        return run
+
     def final(self, T: int):
         ad, x = self.adapter, self.hidden(T)
 
@@ -160,9 +183,15 @@ def measure_costs(model, rows=tuple(range(1, DEFAULT_MAX_GAMMA + 2)), context: i
     fns = {("final", T): bench.final(T) for T in rows}
     fns.update({(name, T): bench.head(name, T) for name in exits for T in rows})
     fns.update({("layers", T): bench.layers(T) for T in rows})
+    drafter = getattr(model, "drafter", None) is not None
+    if drafter:
+        fns.update({("drafter", T): bench.drafter(T) for T in rows})
     t = median_times(fns, repeats, device=model.adapter.device, fit=fit, progress=progress)
     L = model.adapter.num_layers
-    return {"layer": nondecreasing({T: t[("layers", T)] / L for T in rows}),
-            "head": {level_name(layer): nondecreasing({T: t[(name, T)] for T in rows})
-                     for name, layer in exits.items()},
-            "final": nondecreasing({T: t[("final", T)] for T in rows})}
+    out = {"layer": nondecreasing({T: t[("layers", T)] / L for T in rows}),
+           "head": {level_name(layer): nondecreasing({T: t[(name, T)] for T in rows})
+                    for name, layer in exits.items()},
+           "final": nondecreasing({T: t[("final", T)] for T in rows})}
+    if drafter:
+        out["drafter"] = nondecreasing({T: t[("drafter", T)] for T in rows})
+    return out

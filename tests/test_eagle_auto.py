@@ -1,0 +1,181 @@
+"""The EAGLE-3 drafter priced by the latency model: `calibrate` measures its cost curve and its acceptance along
+the rounds the decoder runs, `auto` picks `eagle3>full` / `ngram|eagle3>full` where predicted fastest (and never
+for a drafter the calibration did not measure), and whatever it picks, output is plain decoding's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_auto import _calibrated
+from test_decoding import _chi2_pvalue, _exact_joint, _hf_greedy, _ragged, _tiny_vocab_model, _wrap
+from test_eagle_decoding import _trained_drafter
+from tiny import FAMILIES, tiny_model
+
+from hispec import NgramConfig, decoding, latency
+from hispec.eagle3 import Eagle3Config, Eagle3Drafter
+from hispec.latency import EAGLE, FULL, LOOKUP, Calibration
+
+
+def _with_drafter(family="llama", steps=120, seed=0):
+    model = _wrap(tiny_model(family))
+    model.attach_drafter(_trained_drafter(model, draft_vocab_size=60 if family != "llama" else None, steps=steps,
+                                          seed=seed))
+    return model
+
+
+def _prompts():
+    return torch.randint(3, 97, (6, 5), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def test_drafter_rounds_count_as_the_decoder_verifies():
+    # drafts (target ids) per step from every entry; P = 2 prompt tokens, answer of 6 tokens
+    answer = [10, 11, 12, 13, 14, 15]
+    pred = [[0] * 8 for _ in range(3)]
+    pred[0][1], pred[1][1], pred[2][1] = 11, 12, 99  # round 1 (entry P + 1 - 2 = 1): 2 accepted, then rejected
+    pred[0][4], pred[1][4] = 14, 15  # round 2: the model's token was answer token 3, drafts start at token 4
+    # (entry 4): both accepted, then the answer ends (censored: no rejection)
+    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 3) == (4, 5, 1)
+    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 1) == (2, 3, 1)  # gamma 1: one draft per round
+
+
+def test_calibrated_acceptance_equals_the_decoders_own_rounds():
+    """fp32: the training-time-test drafts `calibrate` counts are the decoder's drafts, so the i.i.d. counts of a
+    real `eagle` run at gamma 8 on the calibration's own prompts are exactly the calibration's."""
+    model = _with_drafter()
+    prompts = _prompts()[:3]
+    cal = latency.calibrate(model, prompts, max_new_tokens=12, repeats=1, max_gamma=8, ngram=NgramConfig())
+    accepted = rejections = 0
+    for p in prompts:
+        st = model.generate(torch.tensor([p]), max_new_tokens=12, strategy="eagle", gamma=8).stats.levels[1]
+        accepted, rejections = accepted + st.accepted, rejections + st.rejections
+    assert rejections > 0 and accepted > 0
+    assert cal.acceptance["eagle3>full"] == pytest.approx(accepted / (accepted + rejections))
+
+
+def test_the_calibration_prices_the_drafter_and_keeps_it_through_json():
+    model = _with_drafter(steps=30)
+    cal = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1, max_gamma=4, ngram=NgramConfig())
+    assert cal.has_drafter and sorted(cal.costs["drafter"]) == sorted(cal.costs["layer"])
+    assert all(b >= a for a, b in zip(list(cal.costs["drafter"].values()), list(cal.costs["drafter"].values())[1:]))
+    assert 0.0 <= cal.acceptance["eagle3>full"] <= 1.0
+    assert cal.model["drafter"] == latency.drafter_identity(model.drafter)
+    assert {EAGLE, LOOKUP + EAGLE} <= set(cal.levels) and cal.depth(EAGLE) == 0
+    back = Calibration.from_dict(cal.to_dict())
+    assert back.costs["drafter"] == cal.costs["drafter"] and back.has_drafter
+    names = {r["name"] for r in latency.predictions(back)}
+    assert {"eagle", "eagle-lookup"} <= names
+    assert back.at_batch(4).head_cost(EAGLE, 1) == pytest.approx(latency.interp(cal.costs["drafter"], 4) / 4)
+    # an older calibration (no drafter) still loads and plans without one
+    old = Calibration.from_dict({k: v for k, v in cal.without_drafter().to_dict().items()})
+    assert not old.has_drafter and EAGLE not in old.levels
+    assert EAGLE not in {lv.removeprefix(LOOKUP) for lv in latency.auto_plan(old).levels}
+
+
+def test_the_drafters_figures_hold_only_for_the_drafter_they_were_measured_with():
+    model = _with_drafter(steps=30)
+    cal = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1, max_gamma=4, ngram=NgramConfig())
+    assert cal.for_model(model) is cal
+    model.attach_drafter(_trained_drafter(model, steps=30, seed=5))  # retrained: same shape, other weights
+    assert not cal.for_model(model).has_drafter
+    model.drafter = None
+    assert not cal.for_model(model).has_drafter
+    model.hispec_config.calibration = cal.to_dict()
+    assert not decoding._calibration(model).has_drafter  # what `auto` plans with
+
+
+def _cal(drafter_cost: float, acceptance: float, **kw) -> Calibration:
+    """A hand-made calibration: 10 layers of 1 ms flat in T, final 2 ms, a drafter pass d(T) = drafter_cost *
+    (1 + 0.1 (T - 1)), overhead 0.1 ms."""
+    Ts = range(1, 10)
+    return Calibration(
+        machine={}, dtype="float32", threads=1,
+        model={"num_layers": 10, "exits": {"draft": 2, "verify": 5}},
+        costs={"layer": {T: 1e-3 for T in Ts}, "head": {"L2": {T: 5e-4 for T in Ts}, "L5": {T: 5e-4 for T in Ts}},
+               "final": {T: 2e-3 for T in Ts}, "drafter": {T: drafter_cost * (1 + 0.1 * (T - 1)) for T in Ts},
+               "ngram": 1e-5, "step_overhead": 1e-4},
+        acceptance={"L2>L5": 0.3, "L2>full": 0.2, "L5>full": 0.3, "ngram>full": 0.5, "ngram>L2": 0.5,
+                    "ngram>L5": 0.5, "eagle3>full": acceptance, **kw}, ngram_match=0.1)
+
+
+def test_the_latency_model_prices_a_drafter_round():
+    c, a, g = 1e-3, 0.6, 3
+    cal = _cal(c, a)
+    E = latency.expected_tokens(a, g)
+    D = c + 1e-4
+    context = c * 0.1 * (E - 1)  # d(E) - d(1): the verified tokens taken in by the round's first pass
+    V = 10 * 1e-3 + 2e-3  # the full model over g + 1 positions (flat costs)
+    want = (g * D + context + V + 1e-4) / E
+    assert latency.time_per_token([EAGLE, FULL], [g], cal) == pytest.approx(want)
+    # lookup-first: the n-gram's rounds verified in one pass, the drafter's otherwise, context for all tokens
+    m, n, a_n = 0.1, cal.ngram_max_len, 0.5
+    E_n = latency.expected_tokens(a_n, n)
+    num = ((m + (1 - m) * g) * 1e-5 + m * (1e-4 + V) + (1 - m) * (g * D + V + 1e-4)
+           + c * 0.1 * (m * E_n + (1 - m) * (E - 1)))
+    assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], cal) == pytest.approx(num / (m * E_n + (1 - m) * E))
+    with pytest.raises(ValueError, match="drafts directly for the full model"):
+        latency.time_per_token([EAGLE, "L5", FULL], [1, 1], cal)
+
+
+def test_auto_plans_the_drafter_where_it_pays_and_not_where_it_does_not():
+    good = latency.auto_plan(_cal(2e-4, 0.8))
+    assert good.levels[0].removeprefix(LOOKUP) == EAGLE and good.levels[-1] == FULL and len(good.levels) == 2
+    assert good.seconds_per_token < _cal(2e-4, 0.8).plain_seconds_per_token()
+    bad = latency.auto_plan(_cal(5e-3, 0.1))
+    assert EAGLE not in {lv.removeprefix(LOOKUP) for lv in bad.levels}
+    for choice in (latency.best_hierarchy(_cal(2e-4, 0.8)), latency.best_hierarchy(_cal(2e-4, 0.8, **{
+            "L5>full": 0.99}))):  # never eagle3 under an exit, however good that exit is
+        assert all(lv.removeprefix(LOOKUP) != EAGLE or i == len(choice.levels) - 2
+                   for i, lv in enumerate(choice.levels))
+
+
+def _drafter_priors(model, eagle=0.9, ngram=0.0, match=0.0, prompts=None):
+    """Priors (and a real model's cost shape) under which auto drafts with the drafter."""
+    cal = _calibrated(model, lambda k: {"eagle3>full": eagle, "ngram>full": ngram}.get(k, 0.0), match,
+                      prompts=prompts or ([5, 6, 7, 8, 9, 5, 6],), realistic=True)
+    Ts = list(cal.costs["layer"])
+    cal = dataclasses.replace(cal, costs={**cal.costs, "drafter": {T: 2e-4 * (1 + 0.02 * min(int(T), 32))
+                                                                 for T in Ts}},  # (flat far out, as the layers)
+                              model={**cal.model, "drafter": latency.drafter_identity(model.drafter)},
+                              acceptance={**cal.acceptance, "eagle3>full": eagle}, topk=None)  # (no exit trees)
+    model.hispec_config.calibration = cal.to_dict()
+    return cal
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "opt"])
+def test_auto_with_the_drafter_is_greedy_identical_for_every_family(family):
+    model = _with_drafter(family, steps=60)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 17)
+    for ngram, match, want in ((0.0, 0.0, "auto:eagle3>full"), (0.9, 0.6, "auto:ngram|eagle3>full")):
+        cal = _drafter_priors(model, ngram=ngram, match=match)
+        chain = decoding._auto_chain(model, cal, gamma=1, window=1, ngram=NgramConfig())
+        assert ">".join(lv.name for lv in chain) == want.removeprefix("auto:")
+        out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
+        assert torch.equal(out.sequences, ref), want
+        assert out.stats.strategy == want and out.stats.levels[0].proposed > 0
+    # measured (not forced) priors: whatever auto picks, the output is the same
+    model.hispec_config.calibration = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1,
+                                                        max_gamma=4, ngram=NgramConfig()).to_dict()
+    assert torch.equal(model.generate(ids, am, max_new_tokens=17, strategy="auto").sequences, ref)
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["eagle3", "ngram|eagle3"])
+def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup):
+    model = _tiny_vocab_model()
+    d = Eagle3Drafter(Eagle3Config.for_target(model.base.config))
+    with torch.no_grad():
+        d.lm_head.weight.mul_(30)  # a confident drafter, clearly different from the target
+    model.attach_drafter(d)
+    cal = _drafter_priors(model, eagle=0.6, ngram=0.7 if lookup else 0.0, match=0.5 if lookup else 0.0,
+                          prompts=([1, 3, 2],))
+    chain = decoding._auto_chain(model, cal, gamma=1, window=1, ngram=NgramConfig())
+    assert [lv.name for lv in chain] == [(LOOKUP if lookup else "") + EAGLE, FULL]
+    prompt, n, warp = [1, 3, 2], 3, dict(temperature=0.8)
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="auto", do_sample=True,
+                         generator=torch.Generator().manual_seed(11), **warp)
+    assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4
+    lv = out.stats.levels[1]
+    assert out.stats.strategy.startswith("auto:") and 0 < lv.accepted < lv.proposed  # drafts accepted and rejected
