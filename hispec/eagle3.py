@@ -88,10 +88,11 @@ class Eagle3Config:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
-    def for_target(cls, config, aux_layers=None, draft_vocab_size: int | None = None) -> Eagle3Config:
+    def for_target(cls, config, aux_layers=None, draft_vocab_size: int | None = None,
+                   intermediate_size: int | None = None) -> Eagle3Config:
         """The drafter shape for a transformers decoder config (the text config of multimodal models): the target's
         hidden size (required: the drafter reads and shares its states and embedding), its attention heads and MLP
-        width where it has them (else hidden / 64 heads and 4 x hidden). Rotary: plain RoPE at the target's
+        width where it has them (else hidden / 64 heads and 4 x hidden; `intermediate_size` sets the MLP width). Rotary: plain RoPE at the target's
         rope_theta (10000 without one): the drafter's positions need no long-context scaling, and training,
         `speculators` and the engines all build the drafter's rotary from this config alone."""
         config = getattr(config, "text_config", None) or config
@@ -107,7 +108,8 @@ class Eagle3Config:
                              "embedding with hidden states of the same width, so this target cannot have one")
         heads = int(getattr(config, "num_attention_heads", None) or max(1, H // 64))
         kv = int(getattr(config, "num_key_value_heads", None) or heads)
-        inter = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None) or 4 * H
+        inter = (intermediate_size or getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+                 or 4 * H)
         rope = getattr(config, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
         return cls(hidden_size=H, intermediate_size=int(inter), num_attention_heads=heads,

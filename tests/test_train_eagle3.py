@@ -25,7 +25,8 @@ def test_drafter_trains_from_the_cache_of_its_aux_layers_and_exports(env, pairs_
     from hispec.speculators_export import export_speculators
 
     cache, out = tmp_path / "cache", tmp_path / "run"
-    assert _run(_cache_argv(env, out, cache, pairs_file, *EAGLE, "--max_steps", "16", "--eval_steps", "8")) == 0
+    assert _run(_cache_argv(env, out, cache, pairs_file, *EAGLE, "--max_steps", "16", "--eval_steps", "8",
+                            "--eagle3_intermediate_size", "24")) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["head_type"] == "eagle3" and len(line["top1_by_step"]) == 3
     assert open_feature_cache(cache / "train")["layers"] == [1, 3, 5]  # the default aux layers of a 6-layer model
@@ -38,9 +39,12 @@ def test_drafter_trains_from_the_cache_of_its_aux_layers_and_exports(env, pairs_
     drafter, meta = load_drafter(out)
     assert meta["ttt_steps"] == 3 and meta["config"]["aux_layers"] == [1, 3, 5]
     assert drafter.config.draft_vocab_size == 40 and int(drafter.t2d.sum()) == 40
+    assert drafter.config.intermediate_size == 24 and drafter.layers[0].mlp.up_proj.out_features == 24
     assert not (out / "hispec_heads.safetensors").exists()
     spec = export_speculators(out, tmp_path / "spec")
-    assert json.loads((spec / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    spec_cfg = json.loads((spec / "config.json").read_text())
+    assert spec_cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert spec_cfg["transformer_layer_config"]["intermediate_size"] == 24
 
     # into a hispec checkpoint beside exit heads: hispec.load finds it, `eagle` decodes exactly like `ar`
     import hispec
@@ -102,7 +106,10 @@ def test_drafter_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp
      "eagle3_ttt_steps must be >= 1"),
     (("--head_type", "eagle3", "--feature_cache", "/tmp/nowhere-hispec", "--eagle3_aux_layers", "1", "9"),
      r"eagle3_aux_layers \[9\] are out of range for a 6-layer model"),
-    (("--eagle3_aux_layers", "1", "2"), "applies to head_type eagle3 only"),
+    (("--eagle3_aux_layers", "1", "2"), "apply to head_type eagle3 only"),
+    (("--eagle3_intermediate_size", "32"), "apply to head_type eagle3 only"),
+    (("--head_type", "eagle3", "--feature_cache", "/tmp/nowhere-hispec", "--eagle3_intermediate_size", "-1"),
+     "eagle3_intermediate_size must be >= 0"),
 ])
 def test_bad_drafter_settings_fail_before_training(env, tmp_path, extra, message):
     from test_train import _argv

@@ -124,6 +124,9 @@ class ModelArguments:
     eagle3_draft_vocab_size: int = field(
         default=8192, metadata={"help": "'eagle3' drafter: draft vocabulary (the teacher's most frequent tokens in "
                                         "the training cache); 0 = the full vocabulary."})
+    eagle3_intermediate_size: int = field(
+        default=0, metadata={"help": "'eagle3' drafter: its MLP width (0 = the target's; smaller keeps a drafter of a "
+                                     "wide target small: Qwen2.5-1.5B's 8,960 makes ~82M parameters)."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
 
 

@@ -197,8 +197,8 @@ def draft_vocab_from_cache(dataset, size: int, vocab_size: int) -> torch.Tensor:
 def validate_drafter_args(m, d, t) -> None:
     """eagle3 settings that need no model (`ConfigError`); nothing for other head types."""
     if m.head_type != "eagle3":
-        if m.eagle3_aux_layers:
-            raise ConfigError("eagle3_aux_layers applies to head_type eagle3 only")
+        if m.eagle3_aux_layers or m.eagle3_intermediate_size:
+            raise ConfigError("eagle3_aux_layers and eagle3_intermediate_size apply to head_type eagle3 only")
         return
     if not d.feature_cache:
         raise ConfigError("an eagle3 drafter trains from a feature cache (its aux layers' states and the final "
@@ -210,6 +210,8 @@ def validate_drafter_args(m, d, t) -> None:
     if m.eagle3_draft_vocab_size < 0:
         raise ConfigError(f"eagle3_draft_vocab_size must be >= 0 (0 = full vocabulary), got "
                           f"{m.eagle3_draft_vocab_size}")
+    if m.eagle3_intermediate_size < 0:
+        raise ConfigError(f"eagle3_intermediate_size must be >= 0 (0 = the target's), got {m.eagle3_intermediate_size}")
     if t.train_vocab_size:
         raise ConfigError("train_vocab_size is for exit heads; an eagle3 drafter sets eagle3_draft_vocab_size")
     if m.head_lora_rank:

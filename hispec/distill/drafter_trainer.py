@@ -38,7 +38,7 @@ def _make_drafter(model, m, train_cache):
     V = adapter.vocab_size
     size = m.eagle3_draft_vocab_size if 0 < m.eagle3_draft_vocab_size < V else V
     cfg = Eagle3Config.for_target(model.base.config, aux_layers=drafter_aux_layers(m, adapter.num_layers),
-                                  draft_vocab_size=size)
+                                  draft_vocab_size=size, intermediate_size=m.eagle3_intermediate_size or None)
     drafter = Eagle3Drafter(cfg)
     if size < V:
         drafter.set_draft_vocab(draft_vocab_from_cache(train_cache, size, V))
