@@ -5,6 +5,7 @@ for a drafter the calibration did not measure), and whatever it picks, output is
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tiny import FAMILIES, tiny_model
 
 from hispec import NgramConfig, decoding, latency
 from hispec.eagle3 import Eagle3Config, Eagle3Drafter
-from hispec.latency import EAGLE, FULL, LOOKUP, Calibration
+from hispec.latency import EAGLE, FULL, LOOKUP, NGRAM, Calibration
 
 
 def _with_drafter(family="llama", steps=120, seed=0):
@@ -58,6 +59,7 @@ def test_the_calibration_prices_the_drafter_and_keeps_it_through_json():
     model = _with_drafter(steps=30)
     cal = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1, max_gamma=4, ngram=NgramConfig())
     assert cal.has_drafter and sorted(cal.costs["drafter"]) == sorted(cal.costs["layer"])
+    assert cal.drafter_overhead >= 0 and cal.drafter_verify_overhead >= 0 and "drafter_overhead" in cal.costs
     assert all(b >= a for a, b in zip(list(cal.costs["drafter"].values()), list(cal.costs["drafter"].values())[1:]))
     assert 0.0 <= cal.acceptance["eagle3>full"] <= 1.0
     assert cal.model["drafter"] == latency.drafter_identity(model.drafter)
@@ -116,6 +118,33 @@ def test_the_latency_model_prices_a_drafter_round():
     assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], cal) == pytest.approx(num / (m * E_n + (1 - m) * E))
     with pytest.raises(ValueError, match="drafts directly for the full model"):
         latency.time_per_token([EAGLE, "L5", FULL], [1, 1], cal)
+    # the decoder's own extra per drafter pass (o_d) and per verification under the drafter (o_v)
+    od, ov = 3e-4, 7e-4
+    over = dataclasses.replace(cal, costs={**cal.costs, "drafter_overhead": od, "drafter_verify_overhead": ov})
+    want = (g * (D + od) + context + V + 1e-4 + ov) / E
+    assert latency.time_per_token([EAGLE, FULL], [g], over) == pytest.approx(want)
+    num = ((m + (1 - m) * g) * 1e-5 + m * (1e-4 + ov + V) + (1 - m) * (g * (D + od) + V + 1e-4 + ov)
+           + c * 0.1 * (m * E_n + (1 - m) * (E - 1)))
+    assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], over) == pytest.approx(num / (m * E_n + (1 - m) * E))
+    assert latency.time_per_token([NGRAM, FULL], [g], over) == latency.time_per_token([NGRAM, FULL], [g], cal)
+    assert over.at_batch(4).drafter_overhead == pytest.approx(od / 4)
+    back = Calibration.from_dict(over.to_dict())
+    assert (back.drafter_overhead, back.drafter_verify_overhead) == (od, ov)
+    assert Calibration.from_dict(cal.to_dict()).drafter_overhead == 0.0  # (older calibrations: none)
+
+
+def test_the_drafters_decoder_overheads_are_fitted_from_real_runs():
+    from hispec.latency.measure import fit_drafter_costs
+    # runs: (drafter s/pass, entries/pass, verify s/pass, positions/verification)
+    runs = [(3e-3, 2.0, 40e-3, 4.0), (2.5e-3, 1.0, 36e-3, 2.0), (9e-3, 1.0, 50e-3, 4.0)]
+    od, ov = fit_drafter_costs(runs, drafter=lambda n: 1e-3 * n, verify=lambda p: 30e-3 + 1e-3 * p, o=5e-4)
+    assert od == pytest.approx(statistics.median([3e-3 - 2e-3 - 5e-4, 2.5e-3 - 1e-3 - 5e-4, 9e-3 - 1e-3 - 5e-4]))
+    assert ov == pytest.approx(statistics.median([40e-3 - 34e-3 - 5e-4, 36e-3 - 32e-3 - 5e-4, 50e-3 - 34e-3 - 5e-4]))
+    assert fit_drafter_costs([(1e-4, 1.0, 1e-3, 1.0)], drafter=lambda n: 1e-3, verify=lambda p: 1e-2, o=0.0) == (0, 0)
+    assert fit_drafter_costs([], drafter=None, verify=None, o=0.0) == (0.0, 0.0)
+    # (the runs carry level 0's passes per verification too, for trees)
+    assert fit_drafter_costs([r + (3.0,) for r in runs], drafter=lambda n: 1e-3 * n,
+                             verify=lambda p: 30e-3 + 1e-3 * p, o=5e-4) == (pytest.approx(od), pytest.approx(ov))
 
 
 def test_auto_plans_the_drafter_where_it_pays_and_not_where_it_does_not():
@@ -161,8 +190,25 @@ def test_auto_with_the_drafter_is_greedy_identical_for_every_family(family):
     assert torch.equal(model.generate(ids, am, max_new_tokens=17, strategy="auto").sequences, ref)
 
 
+@pytest.mark.parametrize("shadowed", [False, True], ids=["priors", "from-plain"])
 @pytest.mark.parametrize("lookup", [False, True], ids=["eagle3", "ngram|eagle3"])
-def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup):
+def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, shadowed, monkeypatch):
+    """`from-plain`: every row starts sure the drafter never agrees and climbs back by shadow measurements (the
+    drafter's exact acceptance probability, its context caught up), every plain verification."""
+    if shadowed:
+        from hispec.decoding.auto import _AutoPolicy
+        from hispec.decoding.eagle import _EagleDrafting
+        init, shadow, calls = _AutoPolicy.__init__, _EagleDrafting._eagle_shadow, []
+
+        def pessimist(self, *a, **kw):  # (and of the lookup: the whole level starts off)
+            init(self, *a, **kw)
+            for agreed, disagreed in ((self.acc, self.rej), (self.lacc, self.lrej)):
+                agreed.zero_()
+                disagreed.fill_(self.PRIOR)
+
+        monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
+        monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", 1)
+        monkeypatch.setattr(_EagleDrafting, "_eagle_shadow", lambda *a: calls.append(1) or shadow(*a))
     model = _tiny_vocab_model()
     d = Eagle3Drafter(Eagle3Config.for_target(model.base.config))
     with torch.no_grad():
@@ -178,4 +224,65 @@ def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup):
                          generator=torch.Generator().manual_seed(11), **warp)
     assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4
     lv = out.stats.levels[1]
-    assert out.stats.strategy.startswith("auto:") and 0 < lv.accepted < lv.proposed  # drafts accepted and rejected
+    assert out.stats.strategy.startswith("auto:")
+    if shadowed:
+        assert calls
+    if not (shadowed and lookup):  # (from plain, a lookup-first level climbs back too slowly for 3 tokens)
+        assert 0 < lv.accepted < lv.proposed  # drafts accepted and rejected
+
+
+def test_a_switched_off_drafter_is_measured_in_the_shadow_and_switched_back_on(monkeypatch):
+    """Rows that decode plainly keep measuring the drafter (every SHADOW_EVERY-th plain verification: its context
+    caught up, its proposal compared with the full model's token). fp32: each shadow measurement is exactly the
+    training-time test's step-0 draft at that position; rows started with a zero estimate climb back to drafting
+    because of it (without the shadow they stay plain); output is plain decoding's."""
+    from hispec.decoding.auto import _AutoPolicy
+    from hispec.decoding.eagle import _EagleDrafting
+
+    model = _with_drafter()
+    _drafter_priors(model, eagle=0.9)  # the plan is eagle3>full ...
+    init = _AutoPolicy.__init__
+
+    def pessimist(self, *a, **kw):  # ... but every row starts sure that the drafter never agrees
+        init(self, *a, **kw)
+        self.acc.zero_()
+        self.rej.fill_(self.PRIOR)
+
+    monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
+    seen = []
+    shadow = _EagleDrafting._eagle_shadow
+
+    def record(self, rows, new, probs):
+        x = shadow(self, rows, new, probs)
+        seen.append((rows.clone(), self.seq.clone(), self.tok[:, :P].clone(), x.clone()))  # (rows: finished go)
+        return x
+
+    monkeypatch.setattr(_EagleDrafting, "_eagle_shadow", record)
+    ids = torch.tensor(_prompts()[:3])
+    P = ids.shape[1]
+    ref = model.generate(ids, max_new_tokens=32, strategy="ar").sequences
+    monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", 10**9)  # no shadow: the rows never draft
+    off = model.generate(ids, max_new_tokens=32, strategy="auto")
+    assert torch.equal(off.sequences, ref) and off.stats.levels[0].proposed == 0 and not seen
+    monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", 1)
+    out = model.generate(ids, max_new_tokens=32, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.strategy == "auto:eagle3>full" and out.stats.levels[0].proposed > 0  # back on
+    # every shadow measurement == the drafter's step-0 draft with its whole context from the target's states
+    d = model.drafter
+    aux = {}
+    with torch.no_grad():
+        ad = model.adapter
+        pos = torch.arange(ref.shape[1])[None].expand(len(ref), -1)
+        ad.run_layers(ad.embed(ref, pos), 0, ad.num_layers, position_ids=pos, cache=ad.new_cache(len(ref)),
+                      capture=(aux := {i: None for i in d.config.aux_layers}))
+        fused = torch.cat([aux[i] for i in d.config.aux_layers], -1)[:, :-1]
+        step0 = d.to_target(d.ttt_logits(fused, model.base.get_input_embeddings(), ref[:, 1:], 1)[0].argmax(-1))
+    checked = hits = 0
+    for rows, seq, prompt, x in seen:
+        for b in rows.nonzero().flatten().tolist():
+            r = next(r for r in range(len(ids)) if torch.equal(prompt[b], ids[r]))  # (its row in the batch)
+            p = int(seq[b])  # the position the full model's token went to
+            assert float(x[b]) == float(step0[r, p - 2] == ref[r, p]), (r, p)
+            checked, hits = checked + 1, hits + int(x[b])
+    assert checked >= 10 and 0 < hits < checked and all(int(s.min()) >= P for _, s, _, _ in seen)

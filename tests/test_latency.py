@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -169,8 +170,11 @@ def test_decoder_costs_split_into_a_per_layer_factor_and_a_per_pass_overhead():
     # all the extra time per pass (a small model's Python): no layer factor
     scale, o = lt.fit_decoder_costs(10 + 2.0 + 4.0, 2 + 0.5 + 4.0, **unit)
     assert scale == pytest.approx(1.0) and o == pytest.approx(4.0)
-    # clamped: never faster than timed, never a negative overhead; without a draft step, all per pass
+    # clamped: never a negative overhead; without a draft step, all per pass
     assert lt.fit_decoder_costs(10 + 2.0 + 3.0, 9.0, **unit) == (1.0, pytest.approx(3.0))
+    # a plain step faster than the timed layers (they ran slow): scaled down so the model's step is the measured one
+    assert lt.fit_decoder_costs(8 + 2.0, 2.5, **unit) == (pytest.approx(0.8), 0.0)
+    assert lt.fit_decoder_costs(8 + 2.0, None, **unit) == (pytest.approx(0.8), 0.0)
     assert lt.fit_decoder_costs(10 * 2 + 2.0, 0.5, **unit) == (pytest.approx(2.0), pytest.approx(0.0))
     assert lt.fit_decoder_costs(15.0, None, **unit) == (1.0, pytest.approx(3.0))
     cal = synthetic()
@@ -345,7 +349,8 @@ def test_calibrate_on_a_tiny_model_returns_sane_numbers(tiny):
         assert all(a <= b for a, b in zip(r, r[1:])) and 0.0 <= r[0] and r[-1] <= 1.0
     assert all(t > 0 for h in cal.costs["head"].values() for t in h.values())
     assert all(t > 0 for t in cal.costs["final"].values())
-    assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0 and cal.costs["layer_scale"] >= 1
+    assert cal.costs["ngram"] > 0 and cal.costs["step_overhead"] >= 0 and cal.costs["layer_scale"] > 0
+    assert cal.costs["tree_overhead"] >= 0 and cal.costs["position_overhead"] >= 0
     assert cal.acceptance["ngram>full"] > 0 and cal.ngram_match > 0  # the repetitive prompt
     assert cal.measured["ar"] > 0 and cal.context > 0 and cal.threads == 1
     assert cal.model["exits"] == {"draft": 2, "verify": 4} and cal.dtype == "float32"
@@ -498,6 +503,27 @@ def test_tree_round_matches_a_hand_computation():
     R = (2 * layer(1) + head(1) + 0.1) + (2 * layer(2) + head(2) + 0.1) + 2 * layer(4) + 8 * layer(7) + final(7) + 0.1
     assert lt.tree_round_seconds([2, 2], cal, "L2") == pytest.approx(R)
     assert lt.tree_time_per_token([2, 2], cal) == pytest.approx(R / (1 + 0.6 + 0.36))
+    # a real round's own extra (fitted by calibrate on real rounds of a probe tree), once per round
+    over = dataclasses.replace(cal, costs={**cal.costs, "tree_overhead": 0.7})
+    assert lt.tree_round_seconds([2, 2], over, "L2") == pytest.approx(R + 0.7)
+    assert over.at_batch(2).tree_overhead == pytest.approx(0.35)
+    assert lt.Calibration.from_dict(over.to_dict()).tree_overhead == 0.7
+    from hispec.latency.measure import fit_tree_overhead
+    # runs: (level-0 s/pass, entries/pass, verify s/pass, positions/verification, level-0 passes/verification)
+    runs = [(1.0, 1.0, 10.0, 5.0, 2.0), (1.5, 1.0, 11.0, 5.0, 2.0), (0.5, 1.0, 9.0, 5.0, 2.0)]
+    assert fit_tree_overhead(runs, rounds=11.0) == pytest.approx(1.0)  # median of 1, 3, 0 (clipped)
+    assert fit_tree_overhead([], rounds=1.0) == 0.0
+    # every pass over T positions pays position_overhead T - 1 times (a tree's verification: N times)
+    pos = dataclasses.replace(cal, costs={**cal.costs, "position_overhead": 0.25})
+    assert lt.tree_round_seconds([2, 2], pos, "L2") == pytest.approx(R + 0.25 * 6)
+    assert (lt.time_per_token(["L2", "full"], [3], pos) - lt.time_per_token(["L2", "full"], [3], cal)
+            == pytest.approx(0.25 * 3 / lt.expected_tokens(cal.acceptance["L2>full"], 3)))
+    assert lt.Calibration.from_dict(pos.to_dict()).position_overhead == 0.25
+    from hispec.latency.measure import fit_position_overhead
+    runs = [(0.1, 0.0, 14.0, 3.0, 1.0), (0.1, 0.0, 12.0, 2.0, 1.0), (0.1, 0.0, 11.0, 1.0, 1.0)]  # (p = 1: skipped)
+    got = fit_position_overhead(runs, verify=lambda p: 10.0 + 0.5 * (p - 1), o=0.5)
+    assert got == pytest.approx(statistics.median([(14 - 11 - 0.5) / 2, (12 - 10.5 - 0.5) / 1]))
+    assert fit_position_overhead(runs[2:], verify=lambda p: 10.0, o=0.0) == 0.0
 
 
 def test_lookup_first_tree_matches_a_hand_computation_the_chain_and_its_limits():

@@ -133,7 +133,7 @@ def test_calibration_within_a_time_budget_cuts_work_keeps_to_it_and_stays_valid(
     full = lt.calibrate(model, prompts, max_seconds=None, **kw)
     unlimited = now[0]
     assert full.budget["skipped"] == {} and full.budget["max_seconds"] is None
-    budget = unlimited / 3
+    budget = unlimited / 5  # (the decoder runs of step 4 are a large share of an unlimited calibration)
     now[0] = 0.0
     cal = lt.calibrate(model, prompts, max_seconds=budget, **kw)
     assert now[0] <= budget  # kept to it

@@ -39,7 +39,8 @@ class _AutoPolicy:
     own estimates, and writes them into `gam` (0 below s).
     A row that has switched level s-1 off keeps measuring it almost for free: when level s produces a token itself,
     the switched-off level's proposal for that position (its head on the exit state the pass just computed, every
-    SHADOW_EVERY-th such pass; or an n-gram lookup, every time) is compared with it (greedy: equal top-1;
+    SHADOW_EVERY-th such pass, or an EAGLE-3 drafter's step, its context caught up on the way; or an n-gram
+    lookup, every time) is compared with it (greedy: equal top-1;
     sampling: the exact acceptance probability sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops
     to cheaper hierarchies, down to plain decoding, when speculation stops paying, and climbs back when it pays
     again. Hysteresis: a row decoding plainly starts speculating only when the predicted time per token is more
@@ -52,7 +53,7 @@ class _AutoPolicy:
 
     DECAY = 0.85
     PRIOR = 2.0
-    SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit (n-gram lookups: every one)
+    SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit or drafter (lookups: each)
     MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
     def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8, tree=None):
@@ -130,6 +131,8 @@ class _AutoPolicy:
             self._shadow_lookup(run, None if lower.lookup else i, shadow, new, probs)
         if lower.kind == "exit":
             self._shadow_exit(run, k, shadow, new, probs)
+        if lower.kind == "eagle3":
+            self._shadow_drafter(run, shadow, new, probs)
 
     def _shadow_lookup(self, run: _Run, pair: int | None, shadow, new, probs):
         """A switched-off lookup's first proposed token at the position the verifier just produced (every time)."""
@@ -167,6 +170,17 @@ class _AutoPolicy:
                 self._topk(shadow, rank_among(logits.topk(max(self.kwidths), dim=-1).indices, new[dev_rows]))
         x = x.detach().cpu().double()
         self._update(i, shadow, x, 1 - x)
+
+    def _shadow_drafter(self, run: _Run, shadow, new, probs):
+        """A switched-off EAGLE-3 drafter's proposal at that position (every SHADOW_EVERY-th time): its context
+        entries since it last ran are caught up on the way, work its next draft step would otherwise do."""
+        self._shadow_tick += 1
+        if self._shadow_tick % self.SHADOW_EVERY:
+            return
+        rows = torch.zeros(run.seq.shape[0], dtype=torch.bool, device=run.seq.device)
+        rows[shadow.to(run.seq.device)] = True
+        x = run._eagle_shadow(rows, new, probs).cpu()[shadow]
+        self._update(0, shadow, x, 1 - x)
 
     def _topk(self, rows: torch.Tensor, rank: torch.Tensor):
         """One observation, for each of `rows`, of whether the model's token is among the exit's top-k, for every

@@ -63,11 +63,28 @@ class _EagleDrafting:
 
     def _draft_eagle(self, grow: torch.Tensor, st: LevelStats) -> None:
         """One drafted token for each row of `grow` (see the module docstring)."""
+        logits, n = self._eagle_advance(grow)
+        if logits is None:
+            return
+        token = self._eagle_token(logits, grow)
+        pos = self.seq.clamp(max=self.tok.shape[1] - 1)
+        self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
+        self.seq = self.seq + grow.long()
+        st.proposed += int(grow.sum())
+        st.proposals += int(grow.sum())
+        st.passes += 1
+        st.row_passes += int(grow.sum())
+        st.layer_evals += int(n.sum())  # one decoder layer per entry
+
+    def _eagle_advance(self, grow: torch.Tensor):
+        """The drafter over entries [dlen, seq) of the rows `grow` (context caught up, then at most one draft
+        entry); returns (draft-vocabulary logits `[B, Vd]` of each row's last entry: its proposal for position
+        seq, or None when no row has an entry to compute; entries computed per row `[B]`)."""
         start, end = self.dlen, self.seq
         n = torch.where(grow, end - start, torch.zeros_like(end))
         T = int(n.max())
         if T == 0:
-            return
+            return None, n
         ar = torch.arange(T, device=n.device)
         valid = ar < n[:, None]
         idx = torch.where(valid, start[:, None] + ar, start[:, None])  # [B, T] entry positions
@@ -77,15 +94,23 @@ class _EagleDrafting:
         self.dh = torch.where(grow[:, None], step.hidden[rows, last].to(self.dh.dtype), self.dh)
         self.dctx = torch.where(grow, torch.maximum(self.dctx, torch.minimum(end, self.done[self.K] + 1)), self.dctx)
         self.dlen = torch.where(grow, end, self.dlen)
-        token = self._eagle_token(step.logits[rows, last], grow)
-        pos = self.seq.clamp(max=self.tok.shape[1] - 1)
-        self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
-        self.seq = self.seq + grow.long()
-        st.proposed += int(grow.sum())
-        st.proposals += int(grow.sum())
-        st.passes += 1
-        st.row_passes += int(grow.sum())
-        st.layer_evals += int(n.sum())  # one decoder layer per entry
+        return step.logits[rows, last], n
+
+    def _eagle_shadow(self, rows: torch.Tensor, new: torch.Tensor, probs) -> torch.Tensor:
+        """For rows (bool `[B]`) decoding plainly, whose full model just produced `new` at position seq: the
+        switched-off drafter's proposal there, compared with it (greedy: 1.0 where equal; sampling: the exact
+        acceptance probability sum(min(p, q)) of one draft from the drafter's warped distribution q against the
+        full model's `probs[:, 0]`) -> `[B]` float (rows outside `rows`: 0). The drafter's context entries are
+        caught up on the way (the work its next draft step would do anyway; no random number is drawn)."""
+        logits, n = self._eagle_advance(rows)
+        self.stats.levels[0].layer_evals += int(n.sum())
+        if logits is None:
+            return torch.zeros(len(rows), dtype=torch.float64, device=rows.device)
+        if probs is None:
+            x = (self.drafter.to_target(logits.argmax(-1)) == new).double()
+        else:
+            x = torch.minimum(self._eagle_probs(logits), probs[:, 0]).sum(-1).double()
+        return torch.where(rows, x, torch.zeros_like(x))
 
     def _eagle_step(self, idx: torch.Tensor, valid: torch.Tensor, grow: torch.Tensor, n: torch.Tensor):
         """The drafter over entries `idx`: context entries read the target's states of the position before, a
@@ -106,18 +131,22 @@ class _EagleDrafting:
 
     def _eagle_token(self, logits: torch.Tensor, grow: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits `[B, Vd]` -> the drafted target token `[B]` (its distribution stored as level
-        0's rows when sampling: full vocabulary, zero outside the draft vocabulary)."""
-        d = self.drafter
+        0's rows when sampling)."""
         if not self.do_sample:
-            return d.to_target(logits.argmax(-1))
-        ids, full = d.draft_token_ids(), logits
-        if ids is not None:
-            full = logits.new_full((logits.shape[0], self.adapter.vocab_size), float("-inf"))
-            full.scatter_(1, ids[None].expand(logits.shape[0], -1), logits)
-        probs = logits_to_probs(full.float(), **self.warp)
+            return self.drafter.to_target(logits.argmax(-1))
+        probs = self._eagle_probs(logits)
         token = sample(probs, self.generator)
         self._store_rows(0, self.seq, probs[:, None], only=grow if self.levels[0].lookup else None)
         return token
+
+    def _eagle_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's warped distribution `[B, V]` over the target vocabulary (zero outside its draft
+        vocabulary) from its draft-vocabulary logits `[B, Vd]`."""
+        ids, full = self.drafter.draft_token_ids(), logits
+        if ids is not None:
+            full = logits.new_full((logits.shape[0], self.adapter.vocab_size), float("-inf"))
+            full.scatter_(1, ids[None].expand(logits.shape[0], -1), logits)
+        return logits_to_probs(full.float(), **self.warp)
 
     def _eagle_drop_drafts(self, part: torch.Tensor) -> None:
         """After the full model verified the rows `part`: their draft entries go; context stays where its states

@@ -106,7 +106,10 @@ class Calibration:
     `costs`: {"layer": {T: s}, "head": {"L4": {T: s}, ...}, "final": {T: s}, "ngram": s, "step_overhead": s,
     "layer_scale": x} (x: the factor by which a layer runs slower inside the decoder than timed alone, fitted by
     `calibrate`; absent = 1) and, calibrated with an EAGLE-3 drafter attached, "drafter": {T: s} (one drafter pass
-    over T entries; `model["drafter"]` then names that drafter, `drafter_identity`);
+    over T entries; `model["drafter"]` then names that drafter, `drafter_identity`), "drafter_overhead" and
+    "drafter_verify_overhead" (s per pass, fitted on real `eagle` runs; absent = 0), "tree_overhead" (s per static
+    tree round, fitted on real tree runs; absent = 0), "position_overhead" (s per verified position past the first,
+    fitted on real `ngram` runs; absent = 0), all shared by a batch's rows like `step_overhead`;
     `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, "eagle3>full": a, ...} for every pair lower < upper; `ngram_match`: the
     share of the n-gram level's rounds whose lookup proposes anything; `measured`: tokens/s per strategy where a run
     measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
@@ -203,9 +206,18 @@ class Calibration:
             return self._cached(("drafter", T), lambda: interp(self.costs["drafter"], T))
         return self._cached(("head", level, T), lambda: interp(self.costs["head"][level], T))
 
-    @property
-    def step_overhead(self) -> float:
-        return float(self.costs.get("step_overhead", 0.0))
+    # the decoder's own costs beyond the timed units, fitted by `calibrate` on real runs (seconds; 0 when absent)
+    step_overhead = property(lambda self: self._fitted("step_overhead"), doc="per pass (Python bookkeeping)")
+    drafter_overhead = property(lambda self: self._fitted("drafter_overhead"), doc="per drafter pass")
+    drafter_verify_overhead = property(lambda self: self._fitted("drafter_verify_overhead"),
+                                       doc="per verification under the drafter (the aux layers' capture)")
+    position_overhead = property(lambda self: self._fitted("position_overhead"),
+                                 doc="per position a pass covers past the first")
+    tree_overhead = property(lambda self: self._fitted("tree_overhead"), doc="per static tree round")
+    FITTED = ("drafter_overhead", "drafter_verify_overhead", "tree_overhead", "position_overhead")
+
+    def _fitted(self, name: str) -> float:
+        return float(self.costs.get(name, 0.0))
 
     @property
     def ngram_cost(self) -> float:
@@ -246,6 +258,9 @@ class Calibration:
             if self.costs.get("drafter"):
                 costs["drafter"] = share(self.costs["drafter"])
             costs["step_overhead"] = self.step_overhead / rows
+            for name in self.FITTED:  # (per pass or round: shared by the rows, like `step_overhead`)
+                if name in self.costs:
+                    costs[name] = float(self.costs[name]) / rows
             memo[rows] = replace(self, costs=costs)
         return memo[rows]
 
@@ -273,6 +288,9 @@ class Calibration:
                      "ngram": None if c.get("ngram") is None else float(c["ngram"]),
                      "step_overhead": float(c.get("step_overhead", 0.0)),
                      "layer_scale": float(c.get("layer_scale") or 1.0)}
+            for name in cls.FITTED:  # (calibrations before session 21 have none: 0)
+                if c.get(name) is not None:
+                    costs[name] = float(c[name])
             if c.get("drafter"):
                 costs["drafter"] = _int_keys(c["drafter"])
             model = dict(d["model"])

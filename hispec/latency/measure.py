@@ -25,10 +25,10 @@ from ..ngram import NgramConfig, propose
 from ..prompts import Prompt, render
 from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
-from .model import DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, acceptance_from_counts, level_name, pair_key
+from .model import DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, acceptance_from_counts, interp, level_name, pair_key
 from .plans import auto_plan
 from .timing import measure_costs
-from .trees import MAX_TREE_WIDTH, TREE_ROWS
+from .trees import MAX_TREE_WIDTH, TREE_ROWS, tree_round_seconds
 
 # the n-gram configs `calibrate` chooses from when none is given (the default first: it wins ties). Measured on
 # Qwen2.5-Coder-1.5B (16 Spec-Bench answers x 96 tokens, bf16, 2-core EPYC): min_ngram 1 matches 49% of rounds at
@@ -145,38 +145,84 @@ def fit_decoder_costs(step: float | None, draft: float | None, *, L: int, e: int
     if not step:
         return 1.0, 0.0
     S = step - final
-    top = max(1.0, S / (L * layer))
+    if S < L * layer:  # the decoder's step is faster than the timed layers: they ran slow (a busy machine, the
+        return max(S, 0.0) / (L * layer), 0.0  # fixed context); the plain step, measured directly, is the truth
+    top = S / (L * layer)
     scale = 1.0 if draft is None or L <= e else min(max((S - (draft - head)) / ((L - e) * layer), 1.0), top)
     return scale, max(0.0, S - scale * L * layer)
 
 
 def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int, budget: Budget, step: float,
                         progress: bool = False) -> float | None:
-    """The decoder's median seconds per draft step of the draft exit (level 0 of `self-spec`), over short runs after
-    one untimed warm-up run; a run starts only while it fits the budget (first guess, before any was timed: every
-    token costs gamma draft steps and a verification, each as dear as a plain step `step`); None when none was
-    timed."""
-    per, spent = [], []
+    """The decoder's median seconds per draft step of the draft exit (level 0 of `self-spec`); None when none was
+    timed (see `_decoder_runs`)."""
+    runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "self-spec", progress)
+    return statistics.median(r[0] for r in runs) if runs else None
+
+
+def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget: Budget, step: float,
+                  strategy: str, progress: bool = False, **kw) -> list[tuple[float, float, float, float, float]]:
+    """Short real decoder runs of `strategy` (up to 32 tokens per prompt) after one untimed warm-up run -> per run
+    (level 0's seconds per pass, its entries per pass (layer evaluations: a drafter's entries), the full model's
+    seconds per verification, positions per verification, level 0's passes per verification); `kw`: more
+    `generate` options (a `tree`). A run starts only while it fits the budget (first
+    guess, before any was timed: every token costs gamma draft steps and a verification, each as dear as a plain
+    step `step`)."""
+    runs, spent = [], []
     max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
-    runs = ids_list[:1] + ids_list  # the first run warms up (kernels for new shapes), untimed
+    todo = ids_list[:1] + ids_list  # the first run warms up (kernels for new shapes), untimed
     worst = step * (int(model.hispec_config.gamma) + 1)  # seconds a token, before any run was timed
-    bar = tqdm(total=len(runs), desc="calibration: draft steps", disable=not progress, file=sys.stderr)
-    for i, ids in enumerate(runs):
+    bar = tqdm(total=len(todo), desc=f"calibration: {strategy} steps", disable=not progress, file=sys.stderr)
+    for i, ids in enumerate(todo):
         n = min(max_new_tokens, 32, max_pos - len(ids) if max_pos else 32)
         if n < 2:
             continue
         if not budget.fits("decoder", n * (max(spent) if spent else worst)):
-            budget.skip("draft_step_runs", {"timed": len(per), "of": len(runs) - 1})
+            budget.skip(f"{strategy}_step_runs", {"timed": len(runs), "of": len(todo) - 1})
             break
         t0 = timing.now(model.adapter.device)
-        out = model.generate(torch.tensor([ids], device=model.adapter.device), strategy="self-spec", max_new_tokens=n)
+        out = model.generate(torch.tensor([ids], device=model.adapter.device), strategy=strategy, max_new_tokens=n,
+                             **kw)
         spent.append((timing.now(model.adapter.device) - t0) / n)
-        st = out.stats.levels[0]
-        if st.passes and i:
-            per.append(st.seconds / st.passes)
+        low, top = out.stats.levels[0], out.stats.levels[-1]
+        if low.passes and top.passes and i:
+            runs.append((low.seconds / low.passes, low.layer_evals / low.passes, top.seconds / top.passes,
+                         (top.proposed + top.row_passes) / top.passes, low.passes / top.passes))
         bar.update()
     bar.close()
-    return statistics.median(per) if per else None
+    return runs
+
+
+def fit_position_overhead(runs, *, verify, o: float) -> float:
+    """`position_overhead`: what the decoder's verification costs per position past the first beyond the timed
+    units (`verify(p) + o`), from real `ngram` runs (`_decoder_runs`: seconds and mean positions per verification);
+    median over the runs that verified more than one position on average, >= 0."""
+    per = [max(0.0, (v - verify(p) - o) / (p - 1)) for _, _, v, p, *_ in runs if p > 1.05]
+    return statistics.median(per) if per else 0.0
+
+
+TREE_PROBE = [4, 2]  # the static tree whose real rounds `calibrate` times (12 nodes: the size `auto` plans here)
+
+
+def fit_tree_overhead(runs, *, rounds: float) -> float:
+    """`tree_overhead`: what a real static tree round (`_decoder_runs` of `self-spec` with `TREE_PROBE`: level 0's
+    passes, then one verification) costs beyond R(tree) = `rounds` (its masks, the nodes' gathers and compaction);
+    median over runs, >= 0."""
+    if not runs:
+        return 0.0
+    return statistics.median(max(0.0, per * d + v - rounds) for d, _, v, _, per in runs)
+
+
+def fit_drafter_costs(runs, *, drafter, verify, o: float) -> tuple[float, float]:
+    """(drafter_overhead, drafter_verify_overhead) from real `eagle` runs (`_decoder_runs`): what the decoder's
+    drafter pass costs beyond the timed one over as many entries (`drafter(entries) + o`: gathers of the aux states,
+    masks, the drafted token's bookkeeping), and its verification beyond `verify(positions) + o` (the aux layers'
+    capture and store); medians over runs, >= 0."""
+    if not runs:
+        return 0.0, 0.0
+    pas = statistics.median(max(0.0, s - drafter(n) - o) for s, n, *_ in runs)
+    ver = statistics.median(max(0.0, s - verify(p) - o) for _, _, s, p, *_ in runs)
+    return pas, ver
 
 
 def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progress: bool):
@@ -353,11 +399,20 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
     4. the decoder's own costs beyond the timed units, fitted on two real decode steps: the plain step of 1. and a
        draft step of the draft exit (its level-0 seconds per pass in a short `self-spec` run on up to 3 of the
        prompts). With S = plain step - final(1) and D = draft step - head(1): a per-layer factor
-       `layer_scale` = (S - D) / ((L - e) layer(1)) (clamped to [1, S / (L layer(1))]) and the per-pass
+       `layer_scale` = (S - D) / ((L - e) layer(1)) (clamped to [1, S / (L layer(1))]; S / (L layer(1)) < 1 when
+       the plain step is faster than the timed layers, so the model's plain step is the measured one) and the per-pass
        `step_overhead` = S - layer_scale L layer(1) (>= 0). A layer can run slower inside the decoder than timed
        alone; charged per pass instead, that time priced every cheap draft step like a full step's extra (Qwen2.5-
        1.5B, bf16, 2-core EPYC: 71 ms of a 217 ms step; the fit gives x1.09 per layer and ~2 ms per pass). On a
-       small model the extra time is Python per pass, and the fit says so (layer_scale ~1).
+       small model the extra time is Python per pass, and the fit says so (layer_scale ~1). With a drafter
+       attached, short real `eagle` runs on up to 3 prompts give what its pass costs beyond the timed one over as
+       many entries (`drafter_overhead`: the aux states' gathers, masks, bookkeeping) and what its verification
+       costs beyond V_0k over as many positions (`drafter_verify_overhead`: the aux layers' capture), per pass
+       (`fit_drafter_costs`; SmolLM2 fp32, 2-core EPYC: the timed pass was 2.15 ms, the decoder's 2.9 ms).
+       Likewise real `self-spec` runs of the static tree `TREE_PROBE` give what a tree round costs beyond R(tree)
+       (`tree_overhead`, per round: masks, gathers, compaction; `fit_tree_overhead`), and real `ngram` runs what
+       a verification costs per position past the first beyond the timed units (`position_overhead`, fitted
+       first: every pass over T positions pays it T - 1 times; `fit_position_overhead`).
 
     `max_seconds` (None: no limit) bounds the whole call: steps 1-4 get 45%, 60%, 90% and 100% of it by then
     (`hispec.latency.budget.STEPS`), and each takes on no unit of work (an answer, a counted answer, a round of
@@ -387,11 +442,29 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
     costs["layer_scale"], costs["step_overhead"] = fit_decoder_costs(
         step, draft, L=ad.num_layers, e=draft_layer, layer=costs["layer"][1], final=costs["final"][1],
         head=costs["head"][level_name(draft_layer)][1])
+    L, scale = ad.num_layers, costs["layer_scale"]
+    if step:  # the verification of more positions as the decoder runs it (real n-gram rounds)
+        runs = _decoder_runs(model, ids_list[:3], max_new_tokens, budget, step, "ngram", progress)
+        costs["position_overhead"] = fit_position_overhead(
+            runs, o=costs["step_overhead"], verify=lambda p: L * scale * interp(costs["layer"], p)
+            + interp(costs["final"], p))
+    if costs.get("drafter") and step:  # the drafter's passes and verifications as the decoder runs them
+        runs = _decoder_runs(model, ids_list[:3], max_new_tokens, budget, step, "eagle", progress)
+        x = costs["position_overhead"]
+        costs["drafter_overhead"], costs["drafter_verify_overhead"] = fit_drafter_costs(
+            runs, drafter=lambda n: interp(costs["drafter"], n), o=costs["step_overhead"],
+            verify=lambda p: L * scale * interp(costs["layer"], p) + interp(costs["final"], p) + x * (p - 1))
     base = dict(machine=machine_fingerprint(ad.device, model), dtype=_dtype_name(ad.dtype),
                 threads=torch.get_num_threads(), model=model_identity(model), costs=costs,
                 measured={"ar": 1.0 / step} if step else None, context=context, positions=counts.positions,
                 topk={pair_key(lv, FULL): [h / counts.positions for h in hits]
                       for lv, hits in counts.topk_hits.items()})
+    if step and max_gamma >= len(TREE_PROBE):  # the tree rounds' own costs, from real runs of TREE_PROBE
+        runs = _decoder_runs(model, ids_list[:3], max_new_tokens, budget, step, "self-spec", progress,
+                             tree=list(TREE_PROBE))
+        units = Calibration(**base, acceptance={})  # (the unit costs so far; R(tree) reads nothing else)
+        costs["tree_overhead"] = fit_tree_overhead(runs, rounds=tree_round_seconds(TREE_PROBE, units,
+                                                                                    level_name(draft_layer)))
     cal = _choose_ngram(base, counts, min(5, max_new_tokens), progress)
     cal.budget = budget.report()
     return cal

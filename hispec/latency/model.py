@@ -45,17 +45,23 @@ again increasing affine in T_i. m is the n-gram's match rate per round measured 
 round the lookup misses advances one token there, E(a_ik, g) here, so the real rate per round differs a little;
 `auto` feeds the model each row's observed rate).
 
+Every pass over T > 1 positions also pays `position_overhead` x (T - 1): what the decoder's verification of one
+more position costs beyond the timed units (fitted by `calibrate` on real `ngram` runs; 0 in older calibrations).
+
 The EAGLE-3 drafter "eagle3" (`hispec.decoding.eagle`; depth 0: its drafts ran no layer of the model, so the full
 model verifies them like the n-gram's, V_0k) drafts only for "full". Its unit cost `drafter(T)` is one pass of
 its own layer (+ fc, norms, draft lm_head) over T entries; a round drafts g tokens in g passes, the first of which
 also takes in the tokens the model verified since the drafter last ran (its context, recomputed from the model's
 states): on average E - 1 more entries, priced at the curve's slope, c(x) = drafter(1 + x) - drafter(1). So
 
-                                       T_full   = (g D_e + c(E - 1) + V_0k(g+1) + o) / E,   D_e = drafter(1) + o
+                                       T_full   = (g D_e + c(E - 1) + V_0k(g+1) + o_v) / E,   D_e = drafter(1) + o + o_d
 
 and the lookup-first "ngram|eagle3" is the lookup-first formula above with T_i = D_e and V_ik = V_0k, plus the
 context its drafter takes in: c(x) per round with x = the tokens verified since its last pass (every token the
 model verifies passes through the drafter's context once), i.e. m E(a_ng, n) + (1-m) (E(a_ik, g) - 1) entries.
+o_d (`drafter_overhead`) and o_v = o + `drafter_verify_overhead` are what the decoder's drafter pass and its
+verifications (which capture the aux layers) cost beyond the timed units, fitted on real `eagle` runs by
+`calibrate` (0 in calibrations that did not measure them); every verification of a drafter hierarchy pays o_v.
 
 How this follows Globerson et al. ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705), and
 where it differs: as there, each level's expected output per verification is E(a, g) under i.i.d. acceptance, the
@@ -185,7 +191,8 @@ def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float
     """V_ik(T): level `upper` verifies T-1 tokens gathered by `lower` (None / "ngram": no layer ran on them)."""
     e_lo = 0 if lower is None else cal.depth(lower)
     e_hi = cal.depth(upper)
-    return e_lo * cal.layer_cost(1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
+    return (e_lo * cal.layer_cost(1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
+            + cal.position_overhead * (T - 1))
 
 
 def _drafter_context(cal: Calibration, x: float) -> float:
@@ -195,7 +202,8 @@ def _drafter_context(cal: Calibration, x: float) -> float:
 
 def _draft_cost(cal: Calibration, level: str) -> float:
     """D_b: one token from the bottom level's own one-position pass (a lookup-first level: its exit's)."""
-    return _pass_cost(cal, None, level, 1) + cal.step_overhead
+    extra = cal.drafter_overhead if is_drafter(level) else 0.0
+    return _pass_cost(cal, None, level, 1) + cal.step_overhead + extra
 
 
 def _bottom_cost(cal: Calibration, level: str) -> float:
@@ -206,7 +214,7 @@ def _bottom_cost(cal: Calibration, level: str) -> float:
 def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acceptance: dict | None,
           match: float) -> float:
     """T_upper from T_lower (increasing affine in t_lower; see the module docstring)."""
-    o = cal.step_overhead
+    o = cal.step_overhead + (cal.drafter_verify_overhead if is_drafter(lower) else 0.0)  # (per verification)
     alpha = _alpha(cal, acceptance, level_pairs(lower, upper)[0])
     E = expected_tokens(alpha, g)
     if lookup_exit(lower) is not None:

@@ -12,14 +12,16 @@ the n_d nodes of depth d, runs the draft layers over the leaves and then the res
 position and all N nodes at once:
 
     R(tree) = e layer(1) + head_b(1) + o  +  sum_{d<D} (e layer(n_d) + head_b(n_d) + o)
-              + e layer(n_D) + (L - e) layer(N + 1) + final(N + 1) + o
+              + e layer(n_D) + (L - e) layer(N + 1) + final(N + 1) + o  +  o_pos N  +  o_tree
     E(tree) = 1 + sum_{d=1..D} prod_{j<=d} r_b(k_j),         T_tree = R(tree) / E(tree)
 
 with r_b(k) the share of answer positions where the model's argmax is among level b's top-k (`topk`, measured
 like the top-1 agreement; r_b(1) = a(b>full)). A tree of widths [1]*g is the chain of gamma g: R and E reduce to
 the chain's terms exactly. The i.i.d. assumption carries over (a node's children are judged by the same rate
-whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass, and dynamic
-trees are not modelled. The lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
+whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass plus
+`tree_overhead` per round (fitted by `calibrate` on real rounds of a probe tree; 0 in older calibrations; o_pos
+is `position_overhead`, `hispec.latency.model`), and
+dynamic trees are not modelled. The lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
 round kinds as the lookup-first formula (`hispec.latency.model`) does, the exit's chain round replaced by R(tree)
 and E(tree).
 """
@@ -73,7 +75,8 @@ def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
         for nd in counts[:-1]:
             t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
         N = sum(counts)
-        return t + e * cal.layer_cost(counts[-1]) + (L - e) * cal.layer_cost(N + 1) + cal.head_cost(FULL, N + 1) + o
+        return (t + e * cal.layer_cost(counts[-1]) + (L - e) * cal.layer_cost(N + 1) + cal.head_cost(FULL, N + 1) + o
+                + cal.position_overhead * N + cal.tree_overhead)
 
     return cal._cached(("tree_round", tuple(int(k) for k in widths), level), compute)
 
