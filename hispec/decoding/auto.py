@@ -179,8 +179,10 @@ class _AutoPolicy:
             return
         rows = torch.zeros(run.seq.shape[0], dtype=torch.bool, device=run.seq.device)
         rows[shadow.to(run.seq.device)] = True
-        x = run._eagle_shadow(rows, new, probs).cpu()[shadow]
-        self._update(0, shadow, x, 1 - x)
+        x = run._eagle_shadow(rows, new, probs)
+        if x is not None:
+            x = x.cpu()[shadow]
+            self._update(0, shadow, x, 1 - x)
 
     def _topk(self, rows: torch.Tensor, rank: torch.Tensor):
         """One observation, for each of `rows`, of whether the model's token is among the exit's top-k, for every

@@ -70,11 +70,12 @@ class _EagleDrafting:
         pos = self.seq.clamp(max=self.tok.shape[1] - 1)
         self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
         self.seq = self.seq + grow.long()
-        st.proposed += int(grow.sum())
-        st.proposals += int(grow.sum())
+        rows, entries = torch.stack([grow.sum(), n.sum()]).tolist()  # (one read from the device)
+        st.proposed += rows
+        st.proposals += rows
         st.passes += 1
-        st.row_passes += int(grow.sum())
-        st.layer_evals += int(n.sum())  # one decoder layer per entry
+        st.row_passes += rows
+        st.layer_evals += entries  # one decoder layer per entry
 
     def _eagle_advance(self, grow: torch.Tensor):
         """The drafter over entries [dlen, seq) of the rows `grow` (context caught up, then at most one draft
@@ -96,16 +97,17 @@ class _EagleDrafting:
         self.dlen = torch.where(grow, end, self.dlen)
         return step.logits[rows, last], n
 
-    def _eagle_shadow(self, rows: torch.Tensor, new: torch.Tensor, probs) -> torch.Tensor:
+    def _eagle_shadow(self, rows: torch.Tensor, new: torch.Tensor, probs) -> torch.Tensor | None:
         """For rows (bool `[B]`) decoding plainly, whose full model just produced `new` at position seq: the
         switched-off drafter's proposal there, compared with it (greedy: 1.0 where equal; sampling: the exact
         acceptance probability sum(min(p, q)) of one draft from the drafter's warped distribution q against the
-        full model's `probs[:, 0]`) -> `[B]` float (rows outside `rows`: 0). The drafter's context entries are
-        caught up on the way (the work its next draft step would do anyway; no random number is drawn)."""
+        full model's `probs[:, 0]`) -> `[B]` float (rows outside `rows`: 0; None when no row had an entry to
+        compute). The drafter's context entries are caught up on the way (the work its next draft step would do
+        anyway; no random number is drawn)."""
         logits, n = self._eagle_advance(rows)
-        self.stats.levels[0].layer_evals += int(n.sum())
         if logits is None:
-            return torch.zeros(len(rows), dtype=torch.float64, device=rows.device)
+            return None
+        self.stats.levels[0].layer_evals += int(n.sum())
         if probs is None:
             x = (self.drafter.to_target(logits.argmax(-1)) == new).double()
         else:

@@ -25,7 +25,8 @@ from ..ngram import NgramConfig, propose
 from ..prompts import Prompt, render
 from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
-from .model import DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, acceptance_from_counts, interp, level_name, pair_key
+from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, _pass_cost, acceptance_from_counts, level_name,
+                    pair_key)
 from .plans import auto_plan
 from .timing import measure_costs
 from .trees import MAX_TREE_WIDTH, TREE_ROWS, tree_round_seconds
@@ -223,6 +224,30 @@ def fit_drafter_costs(runs, *, drafter, verify, o: float) -> tuple[float, float]
     pas = statistics.median(max(0.0, s - drafter(n) - o) for s, n, *_ in runs)
     ver = statistics.median(max(0.0, s - verify(p) - o) for _, _, s, p, *_ in runs)
     return pas, ver
+
+
+def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step: float, progress: bool,
+                     max_gamma: int, units) -> None:
+    """Step 4's fits on real rounds, into `units().costs`, each priced by the latency model's own terms under the
+    unit costs fitted so far (`units()`: a fresh Calibration of them, so its memo never holds an earlier fit):
+    `position_overhead` from `ngram` runs (first: the others' verifications pay it), the drafter's from `eagle`
+    runs (with one attached), `tree_overhead` from `self-spec` runs of `TREE_PROBE`."""
+    costs = units().costs
+    runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "ngram", progress)
+    cal = units()
+    costs["position_overhead"] = fit_position_overhead(runs, o=cal.step_overhead,
+                                                       verify=lambda p: _pass_cost(cal, None, FULL, p))
+    if costs.get("drafter"):
+        runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "eagle", progress)
+        cal = units()
+        costs["drafter_overhead"], costs["drafter_verify_overhead"] = fit_drafter_costs(
+            runs, drafter=lambda n: cal.head_cost(EAGLE, n), o=cal.step_overhead,
+            verify=lambda p: _pass_cost(cal, None, FULL, p))
+    if max_gamma >= len(TREE_PROBE):
+        runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "self-spec", progress,
+                             tree=list(TREE_PROBE))
+        costs["tree_overhead"] = fit_tree_overhead(runs, rounds=tree_round_seconds(
+            TREE_PROBE, units(), level_name(model.draft_layer)))
 
 
 def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progress: bool):
@@ -442,29 +467,14 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
     costs["layer_scale"], costs["step_overhead"] = fit_decoder_costs(
         step, draft, L=ad.num_layers, e=draft_layer, layer=costs["layer"][1], final=costs["final"][1],
         head=costs["head"][level_name(draft_layer)][1])
-    L, scale = ad.num_layers, costs["layer_scale"]
-    if step:  # the verification of more positions as the decoder runs it (real n-gram rounds)
-        runs = _decoder_runs(model, ids_list[:3], max_new_tokens, budget, step, "ngram", progress)
-        costs["position_overhead"] = fit_position_overhead(
-            runs, o=costs["step_overhead"], verify=lambda p: L * scale * interp(costs["layer"], p)
-            + interp(costs["final"], p))
-    if costs.get("drafter") and step:  # the drafter's passes and verifications as the decoder runs them
-        runs = _decoder_runs(model, ids_list[:3], max_new_tokens, budget, step, "eagle", progress)
-        x = costs["position_overhead"]
-        costs["drafter_overhead"], costs["drafter_verify_overhead"] = fit_drafter_costs(
-            runs, drafter=lambda n: interp(costs["drafter"], n), o=costs["step_overhead"],
-            verify=lambda p: L * scale * interp(costs["layer"], p) + interp(costs["final"], p) + x * (p - 1))
     base = dict(machine=machine_fingerprint(ad.device, model), dtype=_dtype_name(ad.dtype),
                 threads=torch.get_num_threads(), model=model_identity(model), costs=costs,
                 measured={"ar": 1.0 / step} if step else None, context=context, positions=counts.positions,
                 topk={pair_key(lv, FULL): [h / counts.positions for h in hits]
                       for lv, hits in counts.topk_hits.items()})
-    if step and max_gamma >= len(TREE_PROBE):  # the tree rounds' own costs, from real runs of TREE_PROBE
-        runs = _decoder_runs(model, ids_list[:3], max_new_tokens, budget, step, "self-spec", progress,
-                             tree=list(TREE_PROBE))
-        units = Calibration(**base, acceptance={})  # (the unit costs so far; R(tree) reads nothing else)
-        costs["tree_overhead"] = fit_tree_overhead(runs, rounds=tree_round_seconds(TREE_PROBE, units,
-                                                                                    level_name(draft_layer)))
+    if step:
+        _fit_round_costs(model, ids_list[:3], max_new_tokens, budget, step, progress, max_gamma,
+                         lambda: Calibration(**base, acceptance={}))
     cal = _choose_ngram(base, counts, min(5, max_new_tokens), progress)
     cal.budget = budget.report()
     return cal
