@@ -110,15 +110,19 @@ def parse_tree(tree):
 
 
 def check_tree(spec, levels, *, max_new_tokens: int, policy, do_sample: bool = False) -> None:
-    """Trees need a draft exit directly under the full model; refuse anything else before any work."""
+    """Trees need a draft exit (static or dynamic trees) or the EAGLE-3 drafter (static trees,
+    `hispec.decoding.eagle_tree`) directly under the full model; refuse anything else before any work."""
     if do_sample and isinstance(spec, DynamicTreeSpec):
         raise ValueError(f"dynamic tree {spec} is greedy only: which drafted children it keeps depends on their own "
                          f"draft probabilities, which no lossless sampling rule here allows; use a static tree "
                          f"such as [4, 2, 1] when sampling")
     kinds = [lv.kind for lv in levels]
-    if kinds != ["exit", "full"]:
-        raise ValueError(f"tree drafts need a hierarchy of one draft exit under the full model (e.g. 'self-spec' "
-                         f"or 'draft>full'), got {'>'.join(lv.name for lv in levels)}")
+    if kinds not in (["exit", "full"], ["eagle3", "full"]):
+        raise ValueError(f"tree drafts need a hierarchy of one draft exit or the EAGLE-3 drafter under the full model "
+                         f"(e.g. 'self-spec', 'draft>full', 'eagle'), got {'>'.join(lv.name for lv in levels)}")
+    if kinds[0] == "eagle3" and isinstance(spec, DynamicTreeSpec):
+        raise ValueError(f"the EAGLE-3 drafter drafts static trees (e.g. [4, 2, 1]); dynamic tree {spec} is for "
+                         f"draft exits")
     if policy is not None:
         raise ValueError("tree drafts do not take a policy of yours (strategy='auto' plans its own trees where "
                          "the calibration predicts them faster: drop tree= to let it)")
@@ -261,26 +265,66 @@ def tree_round(run, spec):
 
     # ---------------------------------------------------------------- verification (one pass of the rest)
     range0(D, False)
+    o, flog, P, pvalid, ppos, T0[1] = verify_tree(run, lay, seq, h_exit, nvalid)
+
+    # ---------------------------------------------------------------- acceptance
+    path, bonus, prow, pred = accept_tree(run, spec, lay, flog, ntok, nvalid, qrows)
+    if run.policy is not None:  # `auto`: the exit's top-1 at the root, or shadows for the rows decoding plainly
+        rank = None
+        if run.do_sample:
+            top1 = torch.minimum(prow[:, 0], qrows[:, 0]).sum(-1)
+        else:  # greedy: the model token's rank among the root's children, the exit's top-k_1 (auto's trees have
+            rank = sampling.rank_among(ntok[:, : spec.widths[0]], pred[:, 0])  # non-increasing widths: k_1 is the max)
+            top1 = (rank == 0).double()
+        run.policy.observe_tree(run, depth_cap > 0, top1, part, bonus, prow if run.do_sample else None, rank)
+    # ---------------------------------------------------------------- commit the path, roll back the rest
+    a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
+    pidx = path.clamp(min=0)
+    _write_states(run, seq, keep, h_exit, pidx, o, P, pidx, pvalid, ppos)
+    _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
+    _count(run, a, depth_cap, B, t1)
+
+
+def verify_tree(run, lay: _Layout, seq, node_states, nvalid, capture: dict | None = None):
+    """ONE pass of the verifier's range (the layers above level 0's) over each row's pending position(s) and all N
+    tree nodes (`node_states` `[B, N, H]`: the range's inputs at the nodes, valid where `nvalid`), a node seeing
+    only itself and its ancestors among the tree's slots (`_allow`); `capture` as in `run_layers` -> (the range's
+    output `[B, P + N, H]`, the full model's logits `[B, 1 + N, V]` (0: the root, predicting depth 1; 1 + i: node
+    i), P the most pending positions of any row, pvalid / ppos `[B, P]` their validity and positions, the cache slot
+    where the tree's own slots start)."""
+    ad, cache = run.adapter, run.cache
+    _, a1, L = run.bounds
+    B, N, dev = nvalid.shape[0], nvalid.shape[1], nvalid.device
     pstart = run.done[1]
     P = int((seq - pstart).max())
     ar = torch.arange(P, device=dev)
     pvalid = ar < (seq - pstart)[:, None]
     ppos = torch.where(pvalid, pstart[:, None] + ar, (seq - 1)[:, None])
-    pin = run.hid[1].gather(1, ppos[..., None].expand(-1, -1, H))
+    pin = run.hid[1].gather(1, ppos[..., None].expand(-1, -1, ad.hidden_size))
     npos = torch.where(nvalid, seq[:, None] + lay.depth[None] - 1, (seq - 1)[:, None])
-    inp = torch.cat([pin, h_exit], 1)
+    inp = torch.cat([pin, node_states.to(pin.dtype)], 1)
     pos = torch.cat([ppos, npos], 1)
     valid = torch.cat([pvalid, nvalid], 1)
-    T0[1] = cache.seq_length(a1, L)
+    T0 = cache.seq_length(a1, L)
     all_nodes = torch.arange(N, device=dev)
-    allow = _allow(lay, all_nodes, all_nodes, T0[1], q_plain=P)
-    T0[1] += P  # the tree's own slots start after the pending positions
-    o = ad.run_layers(inp, a1, L, position_ids=pos, cache=cache, valid=valid, allow=allow)
-    st1.layer_evals += int(valid.sum()) * (L - a1)
-    root = o[rows, (seq - 1 - pstart)][:, None]  # the state predicting depth 1
+    allow = _allow(lay, all_nodes, all_nodes, T0, q_plain=P)
+    o = ad.run_layers(inp, a1, L, position_ids=pos, cache=cache, valid=valid, allow=allow, capture=capture)
+    run.stats.levels[1].layer_evals += int(valid.sum()) * (L - a1)
+    root = o[torch.arange(B, device=dev), (seq - 1 - pstart)][:, None]  # the state predicting depth 1
     flog = run._logits(1, torch.cat([root, o[:, P:]], 1))  # [B, 1 + N, V]: 0 = root, 1 + i = node i
+    return o, flog, P, pvalid, ppos, T0 + P
 
-    # ---------------------------------------------------------------- acceptance
+
+def accept_tree(run, spec: TreeSpec, lay: _Layout, flog, ntok, nvalid, qrows):
+    """A static tree's acceptance for every row: flog `[B, 1 + N, V]` the full model's logits at the root (0) and
+    at each node (1 + i), ntok / nvalid `[B, N]` the nodes, qrows `[B, 1 + N, V]` the draft distributions their
+    children were drawn from (sampling; None when greedy) -> (path `[B, D]` node ids by depth, -1 past its end;
+    the full model's token after it `[B]`; the full model's probabilities `[B, 1 + N, V]` (sampling) or None;
+    its argmax `[B, 1 + N]` (greedy) or None). Greedy: the deepest path whose every token is the full model's
+    argmax at its parent. Sampling: per depth, recursive rejection sampling over the current node's children."""
+    B, D, dev = ntok.shape[0], spec.depth, ntok.device
+    rows = torch.arange(B, device=dev)
+    prow = pred = None
     eos = run.eos
     path = torch.full((B, D), -1, dtype=torch.long, device=dev)
     if run.do_sample:
@@ -317,20 +361,7 @@ def tree_round(run, spec):
             hit = on[:, sl]
             path[:, d - 1] = torch.where(hit.any(1), sl.start + hit.float().argmax(1), -1)
         bonus = pred[rows, 1 + _deepest(path)]
-    if run.policy is not None:  # `auto`: the exit's top-1 at the root, or shadows for the rows decoding plainly
-        rank = None
-        if run.do_sample:
-            top1 = torch.minimum(prow[:, 0], qrows[:, 0]).sum(-1)
-        else:  # greedy: the model token's rank among the root's children, the exit's top-k_1 (auto's trees have
-            rank = sampling.rank_among(ntok[:, : spec.widths[0]], pred[:, 0])  # non-increasing widths: k_1 is the max)
-            top1 = (rank == 0).double()
-        run.policy.observe_tree(run, depth_cap > 0, top1, part, bonus, prow if run.do_sample else None, rank)
-    # ---------------------------------------------------------------- commit the path, roll back the rest
-    a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
-    pidx = path.clamp(min=0)
-    _write_states(run, seq, keep, h_exit, pidx, o, P, pidx, pvalid, ppos)
-    _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
-    _count(run, a, depth_cap, B, t1)
+    return path, bonus, prow, pred
 
 
 def _lookup_first(run) -> bool:

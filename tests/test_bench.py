@@ -126,6 +126,19 @@ def test_bench_prints_table_then_one_json_line_and_every_strategy_reproduces_hf(
     assert full["per_prompt"][0]["strategies"]["hispec"]["identical"] is True
 
 
+def test_tree_strategies_name_their_drafter_and_shape():
+    from hispec.bench.runner import split_verification, tree_of, tree_strategy
+
+    for name, strategy, widths in [("tree:4x2x1", "self-spec", (4, 2, 1)), ("lookup-tree:4", "self-spec-lookup", (4,)),
+                                   ("eagle-tree:4x2", "eagle", (4, 2)),
+                                   ("eagle-lookup-tree:3x1", "eagle-lookup", (3, 1))]:
+        assert tree_of(name).widths == widths and tree_strategy(name) == strategy
+        assert split_verification(name) == (name, None)
+    assert tree_of("eagle") is None and tree_of("self-spec-lookup") is None
+    with pytest.raises(ValueError, match="widths per depth"):
+        tree_of("eagle-tree:4xz")
+
+
 def test_static_trees_get_a_latency_prediction_and_dynamic_ones_none(checkpoint, prompts_file, capsys):
     rc, out, summary = run_cli(capsys, *common(checkpoint, prompts_file, tokens=8), "--num-prompts", 2,
                                "--strategies", "ar,self-spec,tree:2x1,tree:dyn-2-2-2-4")

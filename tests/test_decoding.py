@@ -242,7 +242,7 @@ def test_commit_reads_only_new_tokens_so_long_outputs_stay_linear(strategy):
         (dict(strategy="ngram|full"), "pairs the lookup with an exit"),
         (dict(strategy="ngram|L3>full"), "pairs the lookup with an exit"),
         (dict(strategy="draft>ngram|verify>full"), "can only be the lowest level"),
-        (dict(strategy="hispec-lookup", tree=[2, 1]), "one draft exit under the full model"),
+        (dict(strategy="hispec-lookup", tree=[2, 1]), "one draft exit or the EAGLE-3 drafter under the full model"),
         (dict(strategy="hispec", gammas=[2]), "one per level"),
         (dict(strategy="self-spec", gammas=[0]), "gammas must be integers >= 1"),
         (dict(strategy="ngram", ngram=dict(max_ngram=0)), "max_ngram must be an integer >= 1"),

@@ -11,6 +11,7 @@ DeepSpeed ZeRO-2 run on CPU (when deepspeed is installed) and a 2-process gloo r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
@@ -629,6 +630,7 @@ def test_low_precision_on_a_cpu_without_native_support_is_warned_about(monkeypat
     from hispec.distill.trainer import warn_if_slow_low_precision
 
     assert 0 < matmul_speed_ratio(size=32) < float("inf")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     m = SimpleNamespace()
     d = SimpleNamespace(feature_cache="x", feature_cache_backbone_dtype="bf16")
     g, t = SimpleNamespace(gen_dtype="bf16"), SimpleNamespace(loss_dtype="fp32")
@@ -638,3 +640,30 @@ def test_low_precision_on_a_cpu_without_native_support_is_warned_about(monkeypat
     assert "feature_cache_backbone_dtype: fp32" in got[1]
     monkeypatch.setattr(hispec.io, "matmul_speed_ratio", lambda dtype, **kw: 0.6)
     assert warn_if_slow_low_precision(m, d, g, t) == []
+    # accelerate's mixed precision comes from the launcher's environment
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert warn_if_slow_low_precision(m, d, g, t) == []
+    monkeypatch.setattr(hispec.io, "matmul_speed_ratio", lambda dtype, **kw: 60.0)
+    got = warn_if_slow_low_precision(m, SimpleNamespace(feature_cache=""), SimpleNamespace(gen_dtype="fp32"), t)
+    assert len(got) == 1 and got[0].startswith("mixed_precision=bf16") and "--mixed_precision no" in got[0]
+
+
+def test_fp32_training_on_a_cpu_with_fast_bf16_names_the_bf16_config(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    import hispec.io
+    from hispec.distill.trainer import warn_if_slow_low_precision
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    args = (SimpleNamespace(), SimpleNamespace(feature_cache=""), SimpleNamespace(gen_dtype="fp32"),
+            SimpleNamespace(loss_dtype="fp32"))
+    monkeypatch.setattr(hispec.io, "matmul_speed_ratio", lambda dtype, **kw: 0.4)
+    with caplog.at_level(logging.INFO, logger="hispec.train"):
+        assert warn_if_slow_low_precision(*args) == []
+    assert "2.5x faster" in caplog.text and "recipes/accelerate/cpu-bf16.yaml" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(hispec.io, "matmul_speed_ratio", lambda dtype, **kw: 0.9)
+    with caplog.at_level(logging.INFO, logger="hispec.train"):
+        warn_if_slow_low_precision(*args)
+    assert "cpu-bf16" not in caplog.text
+    assert (Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "cpu-bf16.yaml").is_file()

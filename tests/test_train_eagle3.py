@@ -57,8 +57,9 @@ def test_drafter_trains_from_the_cache_of_its_aux_layers_and_exports(env, pairs_
     model = hispec.load(tmp_path / "ck")
     assert model.drafter is not None and model.drafter.config.aux_layers == [1, 3, 5]
     ids = torch.tensor([[5, 9, 12, 40, 7]])
-    assert model.generate(ids, max_new_tokens=12, strategy="eagle").new_tokens == \
-        model.generate(ids, max_new_tokens=12, strategy="ar").new_tokens
+    plain = model.generate(ids, max_new_tokens=12, strategy="ar").new_tokens
+    assert model.generate(ids, max_new_tokens=12, strategy="eagle").new_tokens == plain
+    assert model.generate(ids, max_new_tokens=12, strategy="eagle", tree=[2, 1]).new_tokens == plain
     assert export_main([str(heads), "--output-dir", str(tmp_path / "ck2"), "--drafter", str(heads)]) == 1
     assert not (tmp_path / "ck2").exists()
 

@@ -64,12 +64,15 @@ def with_both_verifications(strategies) -> tuple[str, ...]:
 
 TREE_PREFIX = "tree:"  # strategy "tree:4x2x1": self-spec drafting that static tree (hispec.tree)
 LOOKUP_TREE_PREFIX = "lookup-tree:"  # "lookup-tree:4": self-spec-lookup, the exit drafting that tree
-TREE_PREFIXES = (TREE_PREFIX, LOOKUP_TREE_PREFIX)
+# prefix -> the strategy that drafts the tree ("eagle-tree:4x2": the EAGLE-3 drafter's tree, hispec.decoding.eagle_tree)
+TREE_STRATEGIES = {TREE_PREFIX: "self-spec", LOOKUP_TREE_PREFIX: "self-spec-lookup", "eagle-tree:": "eagle",
+                   "eagle-lookup-tree:": "eagle-lookup"}
+TREE_PREFIXES = tuple(TREE_STRATEGIES)
 
 
 def tree_of(strategy: str):
-    """`"tree:4x2x1"` / `"lookup-tree:4"` -> its TreeSpec (ValueError when malformed); None for any other
-    strategy."""
+    """`"tree:4x2x1"` / `"lookup-tree:4"` / `"eagle-tree:4x2"` / `"eagle-lookup-tree:4x2"` -> its TreeSpec
+    (ValueError when malformed); None for any other strategy."""
     for prefix in TREE_PREFIXES:
         if strategy.startswith(prefix):
             return parse_tree(strategy[len(prefix):])
@@ -77,8 +80,8 @@ def tree_of(strategy: str):
 
 
 def tree_strategy(strategy: str) -> str:
-    """The hispec strategy a tree strategy decodes with: `self-spec`, or `self-spec-lookup` for `lookup-tree:`."""
-    return "self-spec-lookup" if strategy.startswith(LOOKUP_TREE_PREFIX) else "self-spec"
+    """The hispec strategy a tree strategy decodes with (`TREE_STRATEGIES`)."""
+    return next(name for prefix, name in TREE_STRATEGIES.items() if strategy.startswith(prefix))
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -524,8 +527,9 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         if s in HF_STRATEGIES:
             continue
         tree = tree_of(s)
-        if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)
-            if isinstance(tree, TreeSpec) and cal.topk:
+        if tree is not None:  # static exit trees from the calibration's top-k rates (dynamic trees and the
+            exit_tree = tree_strategy(s).startswith("self-spec")  # drafter's trees are not modelled)
+            if isinstance(tree, TreeSpec) and cal.topk and exit_tree:
                 try:
                     out[s] = plain / latency.tree_time_per_token(list(tree.widths), cal,
                                                                  lookup=tree_strategy(s) == "self-spec-lookup")

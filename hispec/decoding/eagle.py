@@ -44,8 +44,10 @@ class _EagleDrafting:
         c, dev, dt = d.config, self.adapter.device, self.adapter.dtype
         self.drafter, self.aux_layers = d, list(c.aux_layers)
         self.aux = torch.zeros(B, cap, len(c.aux_layers) * c.hidden_size, dtype=dt, device=dev)
-        # slot `cap` is scratch: padding queries write there, and no mask reaches it
-        self.dk = torch.zeros(B, c.num_key_value_heads, cap + 1, c.head_dim, dtype=dt, device=dev)
+        # the last slot is scratch: padding queries write there, and no mask reaches it; a drafter tree's nodes
+        # take the slots past each row's context (`hispec.decoding.eagle_tree`): N more
+        spare = self.tree.size if self.tree is not None else 0
+        self.dk = torch.zeros(B, c.num_key_value_heads, cap + 1 + spare, c.head_dim, dtype=dt, device=dev)
         self.dv = torch.zeros_like(self.dk)
         self.dctx = torch.ones(B, dtype=torch.long, device=dev)  # entry 0 does not exist (no state before it)
         self.dlen = self.dctx.clone()

@@ -60,9 +60,10 @@ def generate(
     `tree`: draft a static tree at level 0 instead of a chain and verify it in one full pass (`hispec.tree`):
     widths per depth, `[4, 2, 1]` or `"4x2x1"` (the root's top-4, each one's top-2, then top-1: 4 + 8 + 8 nodes;
     sampling draws the children without replacement), or `"dyn-D-K-B-N"`, a dynamic EAGLE-2-style tree (depth D,
-    top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one draft exit under the full model
-    (`self-spec`, `draft>full`, `L4>full`), or the lookup-first exit (`self-spec-lookup`: the n-gram lookup first,
-    the tree where it misses); `gamma` is then unused. Default None: chains (`auto` may still plan a tree itself,
+    top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one
+    draft exit under the full model (`self-spec`, `draft>full`, `L4>full`), the lookup-first exit
+    (`self-spec-lookup`: the n-gram lookup first, the tree where it misses), or the EAGLE-3 drafter (`eagle`,
+    `eagle-lookup`; static trees, `hispec.decoding.eagle_tree`); `gamma` is then unused. Default None: chains (`auto` may still plan a tree itself,
     `_auto_plan`).
     `verification`: the acceptance rule when sampling, at every level of the hierarchy: `"token"` (speculative
     sampling, token by token) or `"hsd"` (sequence-level, `hispec.sampling.hsd_accept`: the same output
