@@ -627,7 +627,7 @@ def test_low_precision_on_a_cpu_without_native_support_is_warned_about(monkeypat
 
     import hispec.io
     from hispec.io import matmul_speed_ratio
-    from hispec.distill.trainer import warn_if_slow_low_precision
+    from hispec.distill.precision import warn_if_slow_low_precision
 
     assert 0 < matmul_speed_ratio(size=32) < float("inf")
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
@@ -652,7 +652,7 @@ def test_fp32_training_on_a_cpu_with_fast_bf16_names_the_bf16_config(monkeypatch
     from types import SimpleNamespace
 
     import hispec.io
-    from hispec.distill.trainer import warn_if_slow_low_precision
+    from hispec.distill.precision import warn_if_slow_low_precision
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     args = (SimpleNamespace(), SimpleNamespace(feature_cache=""), SimpleNamespace(gen_dtype="fp32"),

@@ -60,7 +60,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `hispec` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hispec.distill import trainer  # noqa: E402
+from hispec.distill import precision, trainer  # noqa: E402
 from hispec.distill.args import (  # noqa: E402
     ConfigError, DataArguments, GenerationArguments, ModelArguments, TrainArguments, build_parser, parse_args,
 )
@@ -72,7 +72,7 @@ __all__ = ["ConfigError", "DataArguments", "GenerationArguments", "ModelArgument
 def main(argv=None) -> int:
     m, d, g, t = parse_args(argv)  # ---- parse the config (YAML defaults, the command line wins)
     trainer.validate_static(m, d, t, g)  # everything that needs no model fails here
-    trainer.warn_if_slow_low_precision(m, d, g, t)
+    precision.warn_if_slow_low_precision(m, d, g, t)
     state, accelerate_kwargs = trainer.start_processes(t)
 
     model, tokenizer, rows, resume_dir = trainer.load_model(m, d, t, state)  # ---- build

@@ -2,8 +2,8 @@
 evaluation, checkpoints and resume, and the run's outputs. `train/heads.py` reads as parse -> build -> loop -> save
 on these pieces; what each step does is described there (and in design.md §4, §6).
 
-- `validate_static(m, d, t, g)` / `warn_if_slow_low_precision`: checks that need no model (`ConfigError`), and a
-  warning for bf16 / fp16 settings on CPUs without native support;
+- `validate_static(m, d, t, g)`: checks that need no model (`ConfigError`; which precision pays on this CPU is
+  `hispec.distill.precision`'s);
 - `start_processes(t)`: the process group (gloo for CPU processes) before anything is loaded;
 - `load_model(m, d, t, state)`: exits, tokenizer, data rows, the frozen base (a LoRA adapter merged) with fresh
   heads, the checkpoint to resume -- everything that can fail does so before any training;
@@ -37,7 +37,6 @@ from torch.utils.data import DataLoader, SequentialSampler
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from hispec import io as hio  # hio.matmul_speed_ratio looked up per call: tests replace it
 from hispec.distill import data as tdata
 from hispec.distill.answers import generate_responses, prompts_from, read_responses
 from hispec.distill.args import (
@@ -96,46 +95,6 @@ def _complete_checkpoints(output_dir: Path) -> list[Path]:
         if p.name.startswith("step_") and p.name[5:].isdigit() and (p / STATE_FILE).is_file():
             found.append((int(p.name[5:]), p))
     return [p for _, p in sorted(found)]
-
-
-def warn_if_slow_low_precision(m, d, g, t) -> list[str]:
-    """Settings asking for bf16/fp16 on a CPU where that dtype's matmuls are much slower than fp32 (no native
-    bf16 instructions): a logged warning each (a 2-core AVX2-only EPYC ran the bf16 feature cache 6x slower than
-    fp32). accelerate's mixed precision (`accelerate launch --mixed_precision bf16`, read from the launcher's
-    environment) is one of them; the other way round, an fp32 run on a CPU whose bf16 matmuls are >= 1.5x faster
-    gets an info line naming `recipes/accelerate/cpu-bf16.yaml` (bf16 autocast trained the Qwen2.5-Coder EAGLE-3
-    drafter 2.5x faster per step on an AVX512-bf16 EPYC). Returns the warnings."""
-    if torch.cuda.is_available():
-        return []
-    asked = {"gen_dtype": g.gen_dtype, "loss_dtype": t.loss_dtype}
-    if d.feature_cache:
-        asked["feature_cache_backbone_dtype"] = d.feature_cache_backbone_dtype
-    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if mixed in ("bf16", "fp16"):
-        asked["mixed_precision"] = mixed
-    ratios: dict = {}  # measured once per dtype
-
-    def ratio(dtype):
-        if dtype not in ratios:
-            ratios[dtype] = hio.matmul_speed_ratio(dtype)
-        return ratios[dtype]
-
-    out = []
-    for key, name in asked.items():
-        dtype = parse_dtype(name)
-        if dtype not in (torch.bfloat16, torch.float16) or ratio(dtype) <= 2.0:
-            continue
-        fix = "launch with --mixed_precision no" if key == "mixed_precision" else f"set {key}: fp32"
-        out.append(f"{key}={name}: on this CPU ({torch.backends.cpu.get_cpu_capability()}) {name} matmuls run "
-                   f"{ratios[dtype]:.0f}x slower than fp32; {fix} (bf16 only pays on CPUs with native bf16, e.g. "
-                   "AVX-512 BF16 / AMX, and on GPUs)")
-    for w in out:
-        logger.warning(w)
-    if mixed == "no" and ratio(torch.bfloat16) <= 1 / 1.5:
-        logger.info("bf16 matmuls run %.1fx faster than fp32 on this CPU: `accelerate launch --config_file "
-                    "recipes/accelerate/cpu-bf16.yaml ...` trains in bf16 autocast (fp32 weights and optimizer)",
-                    1 / ratios[torch.bfloat16])
-    return out
 
 
 def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=None) -> None:
