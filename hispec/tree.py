@@ -269,14 +269,7 @@ def tree_round(run, spec):
 
     # ---------------------------------------------------------------- acceptance
     path, bonus, prow, pred = accept_tree(run, spec, lay, flog, ntok, nvalid, qrows)
-    if run.policy is not None:  # `auto`: the exit's top-1 at the root, or shadows for the rows decoding plainly
-        rank = None
-        if run.do_sample:
-            top1 = torch.minimum(prow[:, 0], qrows[:, 0]).sum(-1)
-        else:  # greedy: the model token's rank among the root's children, the exit's top-k_1 (auto's trees have
-            rank = sampling.rank_among(ntok[:, : spec.widths[0]], pred[:, 0])  # non-increasing widths: k_1 is the max)
-            top1 = (rank == 0).double()
-        run.policy.observe_tree(run, depth_cap > 0, top1, part, bonus, prow if run.do_sample else None, rank)
+    observe_tree(run, spec, depth_cap > 0, part, ntok, qrows, prow, pred, bonus)
     # ---------------------------------------------------------------- commit the path, roll back the rest
     a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
@@ -313,6 +306,21 @@ def verify_tree(run, lay: _Layout, seq, node_states, nvalid, capture: dict | Non
     root = o[torch.arange(B, device=dev), (seq - 1 - pstart)][:, None]  # the state predicting depth 1
     flog = run._logits(1, torch.cat([root, o[:, P:]], 1))  # [B, 1 + N, V]: 0 = root, 1 + i = node i
     return o, flog, P, pvalid, ppos, T0 + P
+
+
+def observe_tree(run, spec: TreeSpec, drafted, part, ntok, qrows, prow, pred, bonus) -> None:
+    """Under `auto` (`run.policy`), one observation per row of level 0's top-1 at the root (sampling: sum(min(p, q))
+    there) and, greedy, of the model token's rank among the root's children (level 0's top-k_1: auto's trees have
+    non-increasing widths, so k_1 is the largest), for `_AutoPolicy.observe_tree`; nothing without a policy."""
+    if run.policy is None:
+        return
+    rank = None
+    if run.do_sample:
+        top1 = torch.minimum(prow[:, 0], qrows[:, 0]).sum(-1)
+    else:
+        rank = sampling.rank_among(ntok[:, : spec.widths[0]], pred[:, 0])
+        top1 = (rank == 0).double()
+    run.policy.observe_tree(run, drafted, top1, part, bonus, prow if run.do_sample else None, rank)
 
 
 def accept_tree(run, spec: TreeSpec, lay: _Layout, flog, ntok, nvalid, qrows):

@@ -190,25 +190,35 @@ def test_auto_with_the_drafter_is_greedy_identical_for_every_family(family):
     assert torch.equal(model.generate(ids, am, max_new_tokens=17, strategy="auto").sequences, ref)
 
 
+def _start_plain(monkeypatch, lookup: bool = True, topk: bool = False, shadow_every: int = 1) -> list:
+    """Every row of `auto` starts sure that its drafter never agrees (and its lookup, `lookup`; and its top-k,
+    `topk`), so it decodes plainly until shadow measurements (every `shadow_every`-th plain verification) bring
+    it back; returns the list every drafter shadow call appends to."""
+    from hispec.decoding.auto import _AutoPolicy
+    from hispec.decoding.eagle import _EagleDrafting
+
+    init, shadow, calls = _AutoPolicy.__init__, _EagleDrafting._eagle_shadow, []
+
+    def pessimist(self, *a, **kw):
+        init(self, *a, **kw)
+        for agreed, disagreed in ((self.acc, self.rej),) + (((self.lacc, self.lrej),) if lookup else ()):
+            agreed.zero_()
+            disagreed.fill_(self.PRIOR)
+        if topk:
+            self.khit.zero_()
+
+    monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
+    monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", shadow_every)
+    monkeypatch.setattr(_EagleDrafting, "_eagle_shadow", lambda *a: calls.append(1) or shadow(*a))
+    return calls
+
+
 @pytest.mark.parametrize("shadowed", [False, True], ids=["priors", "from-plain"])
 @pytest.mark.parametrize("lookup", [False, True], ids=["eagle3", "ngram|eagle3"])
 def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, shadowed, monkeypatch):
     """`from-plain`: every row starts sure the drafter never agrees and climbs back by shadow measurements (the
     drafter's exact acceptance probability, its context caught up), every plain verification."""
-    if shadowed:
-        from hispec.decoding.auto import _AutoPolicy
-        from hispec.decoding.eagle import _EagleDrafting
-        init, shadow, calls = _AutoPolicy.__init__, _EagleDrafting._eagle_shadow, []
-
-        def pessimist(self, *a, **kw):  # (and of the lookup: the whole level starts off)
-            init(self, *a, **kw)
-            for agreed, disagreed in ((self.acc, self.rej), (self.lacc, self.lrej)):
-                agreed.zero_()
-                disagreed.fill_(self.PRIOR)
-
-        monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
-        monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", 1)
-        monkeypatch.setattr(_EagleDrafting, "_eagle_shadow", lambda *a: calls.append(1) or shadow(*a))
+    calls = _start_plain(monkeypatch) if shadowed else []
     model = _tiny_vocab_model()
     d = Eagle3Drafter(Eagle3Config.for_target(model.base.config))
     with torch.no_grad():

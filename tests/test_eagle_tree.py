@@ -141,3 +141,141 @@ def test_the_distribution_test_rejects_a_wrong_rule_with_drafter_trees(monkeypat
     monkeypatch.setattr(sampling, "recursive_accept", _with_replacement_rule)
     samples, _ = _draw(model, "eagle", [3, 2], warp)
     assert _chi2_pvalue(samples, outcomes, probs) < 1e-6
+
+
+def test_the_latency_model_prices_a_drafter_tree_and_a_chain_shaped_one_as_the_chain():
+    import dataclasses
+
+    from test_eagle_auto import _cal
+
+    from hispec import latency
+    from hispec.latency import EAGLE, FULL, LOOKUP
+
+    c, a = 1e-3, 0.6
+    cal = dataclasses.replace(_cal(c, a), topk={"eagle3>full": [a, 0.75, 0.8]})
+    d = lambda T: c * (1 + 0.1 * (T - 1))  # noqa: E731 (the hand-made drafter curve)
+    V = lambda T: 10 * 1e-3 + 2e-3  # noqa: E731 (the full model, flat in T)
+    o = 1e-4
+    # [2, 1]: depths of 2 and 2 nodes; passes over 1 and 2 entries, then the model over 5 positions
+    E = 1 + 0.75 + 0.75 * a
+    R = (d(1) + o) + (d(2) + o) + V(5) + o
+    assert latency.tree_round_seconds([2, 1], cal, EAGLE) == pytest.approx(R)
+    want = (R + d(1 + (E - 1)) - d(1)) / E  # + the context: every verified token passes the drafter once
+    assert latency.tree_time_per_token([2, 1], cal, EAGLE) == pytest.approx(want)
+    for g in (1, 2, 4):  # a chain-shaped tree is the chain, alone and lookup-first
+        assert latency.tree_time_per_token([1] * g, cal, EAGLE) == pytest.approx(
+            latency.time_per_token([EAGLE, FULL], [g], cal))
+    assert latency.tree_time_per_token([1], cal, EAGLE, lookup=True) == pytest.approx(
+        latency.time_per_token([LOOKUP + EAGLE, FULL], [1], cal))
+    # the decoder's fitted overheads join as in a chain round; a tree round pays tree_overhead on top
+    od, ov, ot = 3e-4, 7e-4, 2e-4
+    over = dataclasses.replace(cal, costs={**cal.costs, "drafter_overhead": od, "drafter_verify_overhead": ov,
+                                           "tree_overhead": ot})
+    assert latency.tree_round_seconds([2, 1], over, EAGLE) == pytest.approx(R + 2 * od + ov + ot)
+    assert latency.tree_time_per_token([1, 1], over, EAGLE) == pytest.approx(
+        latency.time_per_token([EAGLE, FULL], [2], over) + ot / (1 + a + a * a))
+    with pytest.raises(latency.CalibrationError, match="no top-k agreement"):
+        latency.tree_time_per_token([2], _cal(c, a), EAGLE)
+
+
+def test_calibrate_measures_the_drafters_top_k_agreement():
+    """`calibrate` records r(k), k = 1..8, for the drafter (the share of answer positions whose greedy token is
+    among its step-0 top-k, the first draft of a round): non-decreasing in k, and the drafter's trees get a price."""
+    from test_eagle_auto import _prompts, _with_drafter
+
+    from hispec import NgramConfig, latency
+
+    model = _with_drafter()
+    prompts = _prompts()[:3]
+    cal = latency.calibrate(model, prompts, max_new_tokens=12, repeats=1, max_gamma=4, ngram=NgramConfig())
+    rates = cal.topk["eagle3>full"]
+    assert len(rates) == 8 and all(0 <= x <= y <= 1 for x, y in zip(rates, rates[1:]))
+    assert 0 < rates[0] < rates[-1]
+    assert latency.tree_time_per_token([4, 2], cal, "eagle3") > 0
+
+
+def _tree_priors(model, eagle=0.5, topk=(0.5, 0.85, 0.95), ngram=0.0, match=0.0, prompts=None):
+    """Priors under which `auto` plans a drafter tree: a drafter whose top-k agrees far more often than its top-1
+    (and the realistic cost shape of `_drafter_priors`: wide verifications nearly free)."""
+    import dataclasses
+
+    from test_eagle_auto import _drafter_priors
+
+    cal = _drafter_priors(model, eagle=eagle, ngram=ngram, match=match, prompts=prompts)
+    rates = list(topk) + [topk[-1]] * (8 - len(topk))
+    cal = dataclasses.replace(cal, topk={"eagle3>full": rates})
+    model.hispec_config.calibration = cal.to_dict()
+    return cal
+
+
+def test_auto_plans_a_drafter_tree_where_its_top_k_pays_and_a_chain_where_it_does_not():
+    from test_eagle_auto import _with_drafter
+
+    from hispec import latency
+
+    model = _with_drafter(steps=1)
+    plan = latency.auto_plan(_tree_priors(model))
+    assert plan.levels[0].removeprefix("ngram|") == "eagle3" and plan.widths and max(plan.widths) > 1
+    assert plan.seconds_per_token < latency.auto_plan(_tree_priors(model), trees=False).seconds_per_token
+    flat = latency.auto_plan(_tree_priors(model, topk=(0.5,) * 8))  # top-k no better than top-1: no tree
+    assert flat.widths is None or max(flat.widths) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_auto_with_a_drafter_tree_is_greedy_identical(family):
+    from test_eagle_auto import _with_drafter
+
+    model = _with_drafter(family, steps=60)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 17)
+    for ngram, match in ((0.0, 0.0), (0.9, 0.6)):
+        _tree_priors(model, ngram=ngram, match=match)
+        out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
+        assert torch.equal(out.sequences, ref)
+        assert "[tree" in out.stats.strategy and out.stats.levels[0].proposed > 0
+        assert out.stats.strategy.startswith("auto:" + ("ngram|" if ngram else "") + "eagle3>full")
+
+
+def test_rows_of_a_drafter_tree_climb_back_from_plain_by_the_shadow(monkeypatch):
+    """Every row starts sure the drafter never agrees (plain): the shadow measures the drafter in the tree rounds'
+    plain rows (top-1 and top-k), and rows climb back to drafting trees; without it they stay plain. Output is
+    plain greedy decoding's either way."""
+    from test_eagle_auto import _start_plain
+
+    model = _fitted()
+    ids, am = _fitted_prompts()
+    ref = _hf_greedy(model.base, ids, am, 20)
+    _tree_priors(model)
+    _start_plain(monkeypatch, lookup=False, topk=True, shadow_every=10**9)  # no shadow: the rows never draft
+    off = model.generate(ids, am, max_new_tokens=20, strategy="auto")
+    assert torch.equal(off.sequences, ref) and off.stats.levels[0].proposed == 0
+    monkeypatch.undo()
+    calls = _start_plain(monkeypatch, lookup=False, topk=True)
+    back = model.generate(ids, am, max_new_tokens=20, strategy="auto")
+    assert calls
+    assert torch.equal(back.sequences, ref) and "[tree" in back.stats.strategy
+    assert back.stats.levels[0].proposed > 0 and 0 < back.stats.plain_row_rounds < back.stats.row_rounds
+
+
+@pytest.mark.parametrize("shadowed", [False, True], ids=["priors", "from-plain"])
+@pytest.mark.parametrize("lookup", [False, True], ids=["eagle3", "ngram|eagle3"])
+def test_auto_with_a_drafter_tree_sampling_matches_the_exact_distribution(lookup, shadowed, monkeypatch):
+    """`from-plain`: every row starts sure the drafter never agrees and is measured by shadows (the drafter's exact
+    acceptance probability, its context caught up) in the tree rounds' plain rows."""
+    from test_eagle_auto import _start_plain
+
+    calls = _start_plain(monkeypatch) if shadowed else []
+    model = _tiny_vocab_model()
+    model.attach_drafter(_confident_drafter(model, None))
+    _tree_priors(model, eagle=0.5, topk=(0.5, 0.9, 0.95), ngram=0.9 if lookup else 0.0,
+                 match=0.6 if lookup else 0.0, prompts=([1, 3, 2],))
+    prompt, n, warp = [1, 3, 2, 1, 3], 3, dict(temperature=0.8)
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="auto", do_sample=True,
+                         generator=torch.Generator().manual_seed(5), **warp)
+    assert "[tree" in out.stats.strategy and out.stats.strategy.startswith("auto:" + ("ngram|" if lookup else ""))
+    assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4
+    lv = out.stats.levels[1]
+    if not (shadowed and lookup):  # (from plain, a lookup-first level climbs back too slowly for 3 tokens)
+        assert 0 < lv.accepted < lv.proposed
+    assert bool(calls) == shadowed and (out.stats.plain_row_rounds > 0) == shadowed

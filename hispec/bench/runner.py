@@ -527,12 +527,12 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
         if s in HF_STRATEGIES:
             continue
         tree = tree_of(s)
-        if tree is not None:  # static exit trees from the calibration's top-k rates (dynamic trees and the
-            exit_tree = tree_strategy(s).startswith("self-spec")  # drafter's trees are not modelled)
-            if isinstance(tree, TreeSpec) and cal.topk and exit_tree:
+        if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)
+            drafter = tree_strategy(s).startswith("eagle")
+            if isinstance(tree, TreeSpec) and cal.topk:
                 try:
-                    out[s] = plain / latency.tree_time_per_token(list(tree.widths), cal,
-                                                                 lookup=tree_strategy(s) == "self-spec-lookup")
+                    out[s] = plain / latency.tree_time_per_token(list(tree.widths), cal, "eagle3" if drafter else None,
+                                                                 lookup=tree_strategy(s).endswith("lookup"))
                 except latency.CalibrationError:  # e.g. a lookup tree, but no n-gram rate in the calibration
                     pass
             continue

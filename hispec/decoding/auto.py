@@ -179,7 +179,12 @@ class _AutoPolicy:
             return
         rows = torch.zeros(run.seq.shape[0], dtype=torch.bool, device=run.seq.device)
         rows[shadow.to(run.seq.device)] = True
-        x = run._eagle_shadow(rows, new, probs)
+        if self.kwidths and probs is None:  # a drafter tree (greedy): its top-k counts too
+            x, rank = run._eagle_shadow(rows, new, probs, max(self.kwidths))
+            if rank is not None:
+                self._topk(shadow, rank.cpu()[shadow])
+        else:
+            x = run._eagle_shadow(rows, new, probs)
         if x is not None:
             x = x.cpu()[shadow]
             self._update(0, shadow, x, 1 - x)
@@ -193,17 +198,19 @@ class _AutoPolicy:
             self.kseen[rows] = self.DECAY * self.kseen[rows] + 1
 
     def observe_tree(self, run: _Run, drafted, top1, part, new, probs, rank=None):
-        """Called by a tree round (`hispec.tree`) after its verification, before the state moves on. `top1` is,
-        for every row of `part` (still decoding), one observation of its exit's top-1 rate at the root (greedy:
-        whether the full model's token is the exit's top-1; sampling: the exact acceptance probability
-        sum(min(p, q)) of one draft from the exit's q): the pass computes the exit's root logits for every row,
-        so rows decoding plainly (not `drafted`) are measured exactly and for free, `layer` heads too. Greedy,
-        `rank` [B] is the model token's rank among the root's children (the exit's top-k_1; k_1 when not among
-        them): one observation of the row's top-k rate for each width of the tree. Switched-off rows' lookup is
-        shadowed as in `observe` (`new`, probabilities `probs[:, 0]`)."""
+        """Called by a tree round (`hispec.tree`, `hispec.decoding.eagle_tree`) after its verification, before the
+        state moves on. `top1` is one observation of level 0's top-1 rate at the root (greedy: whether the full
+        model's token is its top-1; sampling: the exact acceptance probability sum(min(p, q)) of one draft from its
+        q) for every row of `part` (still decoding) under an exit (the pass computes the exit's root logits for
+        every row, so rows decoding plainly, not `drafted`, are measured exactly and for free, `layer` heads too),
+        for the `drafted` rows under the EAGLE-3 drafter (it runs for those only: plain rows are shadowed as in a
+        chain, `_shadow_drafter`). Greedy, `rank` [B] is the model token's rank among the root's children (level
+        0's top-k_1; k_1 when not among them): one observation of the row's top-k rate for each width of the tree.
+        Switched-off rows' lookup is shadowed as in `observe` (`new`, probabilities `probs[:, 0]`)."""
         cpu = lambda t: t.detach().cpu()  # noqa: E731
         drafted, part = cpu(drafted), cpu(part)
-        rows = part.nonzero().flatten()
+        drafter = self.chain[0].kind == "eagle3"
+        rows = (part & drafted if drafter else part).nonzero().flatten()
         x = cpu(top1).double()[rows]
         self._update(0, rows, x, 1 - x)
         if rank is not None and self.kwidths:
@@ -211,6 +218,8 @@ class _AutoPolicy:
         shadow = (part & ~drafted).nonzero().flatten()
         if shadow.numel() and self.lookup:
             self._shadow_lookup(run, None, shadow, new, probs)
+        if shadow.numel() and drafter:
+            self._shadow_drafter(run, shadow, new, probs)
 
     def lookup_missed(self, rows: torch.Tensor):
         """Rows (bool [B]) whose lookup-first exit tried the n-gram before a tree round and found nothing (the rows

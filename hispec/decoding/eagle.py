@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..eagle3 import KVBuffer
-from ..sampling import logits_to_probs, sample
+from ..sampling import logits_to_probs, rank_among, sample
 from .stats import LevelStats
 
 
@@ -99,22 +99,26 @@ class _EagleDrafting:
         self.dlen = torch.where(grow, end, self.dlen)
         return step.logits[rows, last], n
 
-    def _eagle_shadow(self, rows: torch.Tensor, new: torch.Tensor, probs) -> torch.Tensor | None:
+    def _eagle_shadow(self, rows: torch.Tensor, new: torch.Tensor, probs, topk: int = 0):
         """For rows (bool `[B]`) decoding plainly, whose full model just produced `new` at position seq: the
         switched-off drafter's proposal there, compared with it (greedy: 1.0 where equal; sampling: the exact
         acceptance probability sum(min(p, q)) of one draft from the drafter's warped distribution q against the
         full model's `probs[:, 0]`) -> `[B]` float (rows outside `rows`: 0; None when no row had an entry to
         compute). The drafter's context entries are caught up on the way (the work its next draft step would do
-        anyway; no random number is drawn)."""
+        anyway; no random number is drawn). `topk` > 0 (greedy, for `auto`'s drafter trees): returns (that, the
+        rank `[B]` of `new` among the drafter's top-`topk`, `topk` where it is not among them)."""
         logits, n = self._eagle_advance(rows)
         if logits is None:
-            return None
+            return (None, None) if topk else None
         self.stats.levels[0].layer_evals += int(n.sum())
         if probs is None:
             x = (self.drafter.to_target(logits.argmax(-1)) == new).double()
         else:
             x = torch.minimum(self._eagle_probs(logits), probs[:, 0]).sum(-1).double()
-        return torch.where(rows, x, torch.zeros_like(x))
+        x = torch.where(rows, x, torch.zeros_like(x))
+        if not topk:
+            return x
+        return x, rank_among(self.drafter.to_target(logits.topk(topk, dim=-1).indices), new)
 
     def _eagle_step(self, idx: torch.Tensor, valid: torch.Tensor, grow: torch.Tensor, n: torch.Tensor):
         """The drafter over entries `idx`: context entries read the target's states of the position before, a

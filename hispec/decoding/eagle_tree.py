@@ -20,8 +20,10 @@ model); what differs is who drafts. One round, per row:
 Lossless for the reasons `hispec.tree` gives: greedy commits only the full model's argmax given the committed
 prefix (each node's full-model row was computed with exactly its ancestors as context); sampling is speculative
 sampling per depth against the drafter's stored q, children drawn without replacement.
-Rows `auto` would decode plainly do not arise: a drafter tree is the caller's choice (`tree=` with `eagle` or
-`eagle-lookup`), and `auto` plans its trees over draft exits only.
+Under `auto` (which plans a drafter tree where the latency model predicts it faster than every chain), a row
+switched to plain decoding (`gam[0]` 0) drafts nothing and gets the full model's token from the same pass; the
+drafting rows' top-1 and top-k at the root are observed, the plain rows' drafter is shadowed as in chains
+(`_AutoPolicy.observe_tree`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 
 from .. import sampling, timing
 from ..eagle3 import KVBuffer
-from ..tree import _count, _keep_path, _Layout, _lookup_first, _write_path, accept_tree, verify_tree
+from ..tree import (_count, _keep_path, _Layout, _lookup_first, _write_path, accept_tree, observe_tree,
+                    verify_tree)
 
 
 def eagle_tree_round(run, spec) -> None:
@@ -50,7 +53,11 @@ def eagle_tree_round(run, spec) -> None:
     t0 = timing.now(run.device)
 
     seq = run.seq.clone()  # tokens [0, seq) are committed; seq - 1 has passed no range yet
+    part = seq < run.limit  # rows that still decode
+    # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding: gam 0)
     depth_cap = (run.limit - seq).clamp(min=0, max=D)
+    if run.policy is not None:
+        depth_cap = depth_cap * (run.gam[0] > 0)
     grow = depth_cap > 0
     run._advance(0, seq)  # the pending tokens' embeddings (range 0 is empty) into hid[1]
     # ---------------------------------------------------------------- drafting
@@ -117,7 +124,8 @@ def eagle_tree_round(run, spec) -> None:
     _, flog, P, pvalid, ppos, T0 = verify_tree(run, lay, seq, ad.embed(ntok, npos), nvalid, capture)
 
     # ---------------------------------------------------------------- acceptance, commit, rollback
-    path, bonus, _, _ = accept_tree(run, spec, lay, flog, ntok, nvalid, qrows)
+    path, bonus, prow, pred = accept_tree(run, spec, lay, flog, ntok, nvalid, qrows)
+    observe_tree(run, spec, grow, part, ntok, qrows, prow, pred, bonus)  # (`auto`: its rows' estimates, shadows)
     a, keep, newpos, has_new = _write_path(run, path, ntok, bonus, seq, D)
     pidx = path.clamp(min=0)
     # the drafter's inputs for its next catch-up: the aux states of the pending positions and of the path

@@ -341,6 +341,9 @@ def _teacher_forced(model, ids: list[int], ans: list[int], draw: torch.Generator
             embed = model.base.get_input_embeddings()
             logits = drafter.ttt_logits(fused_in, embed, seq[:, 1:], DEFAULT_MAX_GAMMA)
             arg[EAGLE] = [drafter.to_target(x[0].argmax(-1)).tolist() for x in logits]
+            # its step-0 top-k where the model's argmax is arg[FULL]: entry j predicts token j + 2 (trees' r(k))
+            step0 = logits[0][0, P - 1: P + N - 2]
+            top[EAGLE] = drafter.to_target(step0.topk(min(MAX_TREE_WIDTH, step0.shape[-1]), dim=-1).indices)
         for name, layer in exits.items():
             head, lv = model.heads[name], level_name(layer)
             if head.needs_context:  # its agreement under the frontier distances decoding gives it

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class AutoPlan:
     """`strategy="auto"`'s plan in calibration level names: a chain (`levels` bottom-up, `gammas`) or, with
-    `widths`, a static tree drafted by `levels[0]` (an exit, or a lookup-first exit) under the full model."""
+    `widths`, a static tree drafted by `levels[0]` (an exit or the drafter, or lookup-first) under the full model."""
 
     levels: tuple[str, ...]
     gammas: tuple[int, ...]
@@ -37,7 +37,8 @@ def auto_plan(cal: Calibration, *, trees: bool = True, max_depth: int = 5) -> Au
     the EAGLE-3 drafter (where the calibration measured one: `Calibration.has_drafter`)
     (`best_hierarchy(speculative_only=True)`), unless `trees` and a static tree with some width > 1 (`best_tree`,
     drafted by an exit, lookup-first where the n-gram was measured; never deeper than `max_depth`) is predicted
-    faster. Needs the calibration's top-k rates for trees (made since tree drafts were modelled). The decoder
+    faster (trees drafted by the drafter too, `hispec.decoding.eagle_tree`). Needs the calibration's top-k rates
+    for trees (made since tree drafts were modelled). The decoder
     (`hispec.decoding._auto_plan`), the bench's prediction and `calibrate`'s n-gram choice all plan through here."""
     exits = [level_name(e) for e in sorted(int(name[1:]) for name in cal.costs.get("head", {}))]
     drafter = [EAGLE] if cal.has_drafter else []  # an EAGLE-3 drafter, where the calibration measured it
@@ -48,7 +49,7 @@ def auto_plan(cal: Calibration, *, trees: bool = True, max_depth: int = 5) -> Au
                     time_per_token(list(choice.levels), list(choice.gammas), cal))
     if not trees or not cal.topk or max_depth < 1:
         return best
-    for level in exits:
+    for level in exits + drafter:  # static trees drafted by an exit or by the drafter
         if not cal.topk.get(pair_key(level, FULL)):
             continue
         for lookup in (False, True) if measured else (False,):

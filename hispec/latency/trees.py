@@ -21,7 +21,14 @@ the chain's terms exactly. The i.i.d. assumption carries over (a node's children
 whatever its depth); tree bookkeeping (masks, compaction) is counted as one pass overhead `o` per pass plus
 `tree_overhead` per round (fitted by `calibrate` on real rounds of a probe tree; 0 in older calibrations; o_pos
 is `position_overhead`, `hispec.latency.model`), and
-dynamic trees are not modelled. The lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
+dynamic trees are not modelled. Trees drafted by the EAGLE-3 drafter (level "eagle3", `hispec.decoding.eagle_tree`)
+replace the exit's passes by the drafter's and add what a drafter hierarchy pays (`hispec.latency.model`):
+
+    R(tree) = sum_{d<D} (drafter(n_d) + o + o_d) [n_0 = 1] + V_0full(N + 1) + o + o_v + o_tree,
+    T_tree  = (R(tree) + c(E(tree) - 1)) / E(tree),
+
+c(x) the drafter's context (the tokens verified since it last ran), r(k) its step-0 top-k agreement. The
+lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
 round kinds as the lookup-first formula (`hispec.latency.model`) does, the exit's chain round replaced by R(tree)
 and E(tree).
 """
@@ -31,7 +38,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .model import FULL, NGRAM, CalibrationError, _alpha, _pass_cost, expected_tokens, level_name, pair_key
+from .model import (EAGLE, FULL, NGRAM, CalibrationError, _alpha, _drafter_context, _pass_cost, expected_tokens,
+                    level_name, pair_key)
 
 if TYPE_CHECKING:
     from .calibration import Calibration
@@ -71,6 +79,10 @@ def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
         for k in widths:
             n *= int(k)
             counts.append(n)
+        if level == EAGLE:  # one drafter pass per inner depth, then the whole model over N + 1 (module docstring)
+            t = sum(cal.head_cost(EAGLE, nd) + o + cal.drafter_overhead for nd in [1] + counts[:-1])
+            return (t + _pass_cost(cal, None, FULL, sum(counts) + 1) + o + cal.drafter_verify_overhead
+                    + cal.tree_overhead)
         t = e * cal.layer_cost(1) + cal.head_cost(level, 1) + o
         for nd in counts[:-1]:
             t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
@@ -101,16 +113,19 @@ def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk
         raise ValueError(f"tree widths must be a non-empty list of integers >= 1, got {widths}")
     level = level or level_name(cal.model["exits"]["draft"])
     if level in (NGRAM, FULL):
-        raise ValueError(f"tree drafts come from an exit level, got {level!r}")
+        raise ValueError(f"tree drafts come from an exit level or the drafter, got {level!r}")
     e_tree = tree_expected_tokens(widths, _topk_rates(cal, level, topk))
     round_s = tree_round_seconds(widths, cal, level)
+    drafter = level == EAGLE  # its context: every token the model verifies passes through it once (c(x))
     if not lookup:
-        return round_s / e_tree
+        return (round_s + (_drafter_context(cal, e_tree - 1) if drafter else 0.0)) / e_tree
     m = min(max(cal.ngram_match if match is None else float(match), 0.0), 1.0)
-    n, o = cal.ngram_max_len, cal.step_overhead
+    n, o = cal.ngram_max_len, cal.step_overhead + (cal.drafter_verify_overhead if drafter else 0.0)
     a_n = _alpha(cal, acceptance, pair_key(NGRAM, FULL))
+    e_n = expected_tokens(a_n, n)
     served = o + _pass_cost(cal, None, FULL, n + 1)
-    return (cal.ngram_cost + m * served + (1 - m) * round_s) / (m * expected_tokens(a_n, n) + (1 - m) * e_tree)
+    context = _drafter_context(cal, m * e_n + (1 - m) * (e_tree - 1)) if drafter else 0.0
+    return (cal.ngram_cost + m * served + (1 - m) * round_s + context) / (m * e_n + (1 - m) * e_tree)
 
 
 def tree_shapes(max_depth: int, max_nodes: int, max_width: int) -> list[list[int]]:
