@@ -350,16 +350,53 @@ DRAFTER_CONFIG = "hispec_drafter.json"
 DRAFTER_FORMAT = "hispec-eagle3"
 
 
-def save_drafter(drafter: Eagle3Drafter, folder, *, base: dict, extra: dict | None = None) -> None:
+# hispec_drafter.json "version": 1 = the weights as floats; 2 = "storage": "int8" (per-row int8 + a scale each)
+FILE_VERSION = 2
+STORAGE = ("float", "int8")
+
+
+def quantize_int8(state: dict) -> dict:
+    """Every 2-D floating weight of a state dict as symmetric per-output-row int8, q = round(w / s) with
+    s = max|w_row| / 127 stored beside it as `<name>.scale` (fp32); other tensors unchanged. Why hand-written: the
+    ecosystem's int8 formats (torchao, bitsandbytes, compressed-tensors) quantize for int8 *compute* and need their
+    own runtime; this is storage only (a shipped drafter under 50 MB), dequantized once at load."""
+    out = {}
+    for k, v in state.items():
+        if v.dim() == 2 and v.is_floating_point():
+            w = v.float()
+            scale = w.abs().amax(1).clamp(min=1e-12) / 127
+            out[k] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            out[k + ".scale"] = scale
+        else:
+            out[k] = v
+    return out
+
+
+def dequantize_int8(state: dict) -> dict:
+    """The inverse of `quantize_int8` (fp32 weights)."""
+    return {k: (v.float() * state[k + ".scale"][:, None] if k + ".scale" in state else v)
+            for k, v in state.items() if not k.endswith(".scale")}
+
+
+def save_drafter(drafter: Eagle3Drafter, folder, *, base: dict, extra: dict | None = None,
+                 storage: str = "float") -> None:
     """Write `hispec_drafter.safetensors` (the state dict, speculators' names) and `hispec_drafter.json` (format,
-    config, the target's identity `base` from `hispec.model.base_identity`) into `folder`, each atomically."""
+    config, the target's identity `base` from `hispec.model.base_identity`) into `folder`, each atomically.
+    `storage="int8"`: the weights as per-row int8 (`quantize_int8`; a quarter of fp32, loaded back as floats)."""
+    if storage not in STORAGE:
+        raise ValueError(f"storage must be one of {', '.join(STORAGE)}, got {storage!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()
              if not k.startswith("rotary_emb.")}
+    if storage == "int8":
+        state = quantize_int8(state)
     atomic_write(folder / DRAFTER_FILE, lambda p: save_file(state, str(p)))
-    write_json(folder / DRAFTER_CONFIG, {"format": DRAFTER_FORMAT, "version": FORMAT_VERSION,
-                                         "config": drafter.config.to_dict(), "base": base, **(extra or {})})
+    meta = {"format": DRAFTER_FORMAT, "version": 2 if storage == "int8" else 1, "config": drafter.config.to_dict(),
+            "base": base, **(extra or {})}
+    if storage == "int8":
+        meta["storage"] = "int8"
+    write_json(folder / DRAFTER_CONFIG, meta)
 
 
 def is_drafter_run(folder) -> bool:
@@ -375,8 +412,13 @@ def load_drafter(folder, device=None, dtype=None) -> tuple[Eagle3Drafter, dict]:
     meta = read_json(folder / DRAFTER_CONFIG)
     if meta.get("format") != DRAFTER_FORMAT:
         raise ValueError(f"{folder / DRAFTER_CONFIG} is not a {DRAFTER_FORMAT} file (format {meta.get('format')!r})")
+    if int(meta.get("version", 1)) > FILE_VERSION or meta.get("storage", "float") not in STORAGE:
+        raise ValueError(f"{folder / DRAFTER_CONFIG} is version {meta.get('version')} (storage "
+                         f"{meta.get('storage', 'float')!r}); hispec reads <= {FILE_VERSION}: upgrade hispec")
     drafter = Eagle3Drafter(Eagle3Config.from_dict(meta["config"]))
     state = load_file(str(folder / DRAFTER_FILE))
+    if meta.get("storage") == "int8":
+        state = dequantize_int8(state)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:

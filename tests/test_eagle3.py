@@ -128,6 +128,51 @@ def test_save_and_load_keep_the_drafter_and_refuse_newer_formats(tmp_path):
         load_drafter(tmp_path)
 
 
+def test_int8_storage_is_a_quarter_of_fp32_and_drafts_what_the_float_drafter_drafts(tmp_path):
+    """`storage="int8"` (and tools/pack_artifact.py on a drafter run): per-row int8 weights, loaded back as floats
+    within half a quantisation step of the originals, the same greedy step-0 drafts on a batch of inputs; the json
+    says version 2 so an older reader is told to upgrade; the float format stays version 1."""
+    import json
+
+    from conftest import load_tool
+
+    target = tiny_model("qwen2")
+    d = _drafter(target, draft_vocab_size=30)
+    with torch.no_grad():
+        d.lm_head.weight.mul_(30)  # (decisive logits: int8 noise must not flip argmaxes)
+    save_drafter(d, tmp_path / "f", base=base_identity(target), extra={"ttt_steps": 3})
+    assert load_tool("pack_artifact").main([str(tmp_path / "f"), str(tmp_path / "q"), "--drafter-storage",
+                                            "int8"]) == 0
+    meta = json.loads((tmp_path / "q" / "hispec_drafter.json").read_text())
+    assert meta["version"] == 2 and meta["storage"] == "int8" and meta["ttt_steps"] == 3
+    assert json.loads((tmp_path / "f" / "hispec_drafter.json").read_text())["version"] == 1
+    size = lambda f: (tmp_path / f / "hispec_drafter.safetensors").stat().st_size  # noqa: E731
+    assert size("q") < 0.35 * size("f")  # (a quarter of the weights, plus scales, buffers and headers)
+    back, _ = load_drafter(tmp_path / "q")
+    for k, v in d.state_dict().items():
+        w = back.state_dict()[k]
+        if v.dim() == 2 and v.is_floating_point():
+            step = v.abs().amax(1, keepdim=True) / 127
+            assert ((w - v).abs() <= step / 2 + 1e-7).all(), k
+        else:
+            assert torch.equal(w, v), k
+    H = d.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(2, 9, len(d.config.aux_layers) * H, generator=g)
+    ids = torch.randint(0, target.config.vocab_size, (2, 9), generator=g)
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        a = d.ttt_logits(aux, embed, ids, 2)
+        b = back.ttt_logits(aux, embed, ids, 2)
+    assert all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b))
+    meta["version"] = 3
+    (tmp_path / "q" / "hispec_drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="upgrade hispec"):
+        load_drafter(tmp_path / "q")
+    with pytest.raises(ValueError, match="storage must be one of"):
+        save_drafter(d, tmp_path / "x", base={}, storage="int4")
+
+
 def _cache_items(target, lengths, k=8, aux_layers=(1, 3, 5), seed=0):
     g = torch.Generator().manual_seed(seed)
     items = []

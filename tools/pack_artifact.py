@@ -12,6 +12,8 @@ It reuses export's own loading (`build_model`: base + heads, checked against eac
 heads are exactly what that export would have produced.
 
     python tools/pack_artifact.py runs/my-run recipes/artifacts/my-model --gamma 1 --window 2 --heads-dtype bf16
+    python tools/pack_artifact.py runs/qwen2.5-coder-1.5b-eagle3 recipes/artifacts/qwen2.5-coder-1.5b-instruct/eagle3 \
+        --drafter-storage int8       # an EAGLE-3 drafter run (hispec_drafter.*): its weights as per-row int8
     python tools/pack_artifact.py recipes/artifacts/smollm2-135m recipes/artifacts/smollm2-135m \\
         --draft-vocab-size 8192 --verify-vocab-size 8192 --gamma 2 --window 4
 """
@@ -65,6 +67,27 @@ def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_siz
     return hispec
 
 
+def pack_drafter(run_dir, out_dir, *, storage: str = "float") -> dict:
+    """An EAGLE-3 drafter run (`hispec_drafter.*`, `hispec.eagle3`) as an artifact: the drafter rewritten with
+    `storage` ("int8": per-row int8 weights, `hispec.eagle3.quantize_int8`, a quarter of fp32 and loaded back as
+    floats), every other file of the run folder copied (not checkpoints); atomic like `pack`. -> its json."""
+    from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE, load_drafter, save_drafter
+
+    run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
+    drafter, meta = load_drafter(run_dir)
+    extra = {k: v for k, v in meta.items() if k not in ("format", "version", "config", "base", "storage")}
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        tmp = Path(tmp)
+        for f in run_dir.iterdir():
+            if f.is_file() and f.name not in (DRAFTER_FILE, DRAFTER_CONFIG):
+                shutil.copy2(f, tmp / f.name)
+        save_drafter(drafter, tmp, base=meta["base"], extra=extra, storage=storage)
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+    return read_json(out_dir / DRAFTER_CONFIG)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="train/heads.py output folder (or an artifact to repack)")
@@ -77,7 +100,20 @@ def main(argv=None) -> int:
     p.add_argument("--gamma", type=int, help="decoding default: drafts per round")
     p.add_argument("--window", type=int, help="decoding default: tokens before full verification")
     p.add_argument("--heads-dtype", help="store the heads as fp32 or bf16 (default: as the run stored them)")
+    p.add_argument("--drafter-storage", choices=["float", "int8"], default="float",
+                   help="an EAGLE-3 drafter run: store its weights as floats (default) or per-row int8")
     args = p.parse_args(argv)
+    from hispec.eagle3 import is_drafter_run
+
+    if is_drafter_run(args.run):
+        try:
+            meta = pack_drafter(args.run, args.output, storage=args.drafter_storage)
+        except (OSError, ValueError) as e:
+            print(f"pack_artifact: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"output": str(Path(args.output).absolute()), "drafter": meta["config"]["aux_layers"],
+                          "storage": meta.get("storage", "float")}))
+        return 0
     try:
         h = pack(args.run, args.output, base=args.base, draft_vocab_size=args.draft_vocab_size,
                  verify_vocab_size=args.verify_vocab_size, vocab_data=args.vocab_data, gamma=args.gamma,
