@@ -167,8 +167,9 @@ class DraftStep:
 
 @dataclass
 class KVBuffer:
-    """A decoder's store of drafter keys/values by position: `k`, `v` `[B, kv_heads, P + 1, head_dim]` (slot P is
-    scratch for padding queries) and `pos` `[B, T]`, where this step's T new positions go. With a `KVBuffer` as
+    """A decoder's store of drafter keys/values by position: `k`, `v` `[B, kv_heads, P + 1 (+ N), head_dim]` (the
+    last slot is scratch for padding queries; N spare slots past the positions hold a drafter tree's nodes,
+    `hispec.decoding.eagle_tree`) and `pos` `[B, T]`, where this step's T new positions go. With a `KVBuffer` as
     `past`, `step` writes its keys there and its `mask` `[B, T, S]` covers buffer slots 0..S-1 (the new ones
     included)."""
 
@@ -351,13 +352,15 @@ DRAFTER_FORMAT = "hispec-eagle3"
 
 
 # hispec_drafter.json "version": 1 = the weights as floats; 2 = "storage": "int8" (per-row int8 + a scale each)
-FILE_VERSION = 2
-STORAGE = ("float", "int8")
+FILE_VERSIONS = {"float": 1, "int8": 2}
+FILE_VERSION = max(FILE_VERSIONS.values())  # the newest this hispec reads
+STORAGE = tuple(FILE_VERSIONS)
+SCALE_SUFFIX = ".int8_scale"  # (no parameter of a drafter ends so)
 
 
 def quantize_int8(state: dict) -> dict:
     """Every 2-D floating weight of a state dict as symmetric per-output-row int8, q = round(w / s) with
-    s = max|w_row| / 127 stored beside it as `<name>.scale` (fp32); other tensors unchanged. Why hand-written: the
+    s = max|w_row| / 127 stored beside it as `<name>.int8_scale` (fp32); other tensors unchanged. Why hand-written: the
     ecosystem's int8 formats (torchao, bitsandbytes, compressed-tensors) quantize for int8 *compute* and need their
     own runtime; this is storage only (a shipped drafter under 50 MB), dequantized once at load."""
     out = {}
@@ -366,7 +369,7 @@ def quantize_int8(state: dict) -> dict:
             w = v.float()
             scale = w.abs().amax(1).clamp(min=1e-12) / 127
             out[k] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            out[k + ".scale"] = scale
+            out[k + SCALE_SUFFIX] = scale
         else:
             out[k] = v
     return out
@@ -374,8 +377,8 @@ def quantize_int8(state: dict) -> dict:
 
 def dequantize_int8(state: dict) -> dict:
     """The inverse of `quantize_int8` (fp32 weights)."""
-    return {k: (v.float() * state[k + ".scale"][:, None] if k + ".scale" in state else v)
-            for k, v in state.items() if not k.endswith(".scale")}
+    return {k: (v.float() * state[k + SCALE_SUFFIX][:, None] if k + SCALE_SUFFIX in state else v)
+            for k, v in state.items() if not k.endswith(SCALE_SUFFIX)}
 
 
 def save_drafter(drafter: Eagle3Drafter, folder, *, base: dict, extra: dict | None = None,
@@ -392,7 +395,7 @@ def save_drafter(drafter: Eagle3Drafter, folder, *, base: dict, extra: dict | No
     if storage == "int8":
         state = quantize_int8(state)
     atomic_write(folder / DRAFTER_FILE, lambda p: save_file(state, str(p)))
-    meta = {"format": DRAFTER_FORMAT, "version": 2 if storage == "int8" else 1, "config": drafter.config.to_dict(),
+    meta = {"format": DRAFTER_FORMAT, "version": FILE_VERSIONS[storage], "config": drafter.config.to_dict(),
             "base": base, **(extra or {})}
     if storage == "int8":
         meta["storage"] = "int8"

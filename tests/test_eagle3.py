@@ -143,6 +143,8 @@ def test_int8_storage_is_a_quarter_of_fp32_and_drafts_what_the_float_drafter_dra
     save_drafter(d, tmp_path / "f", base=base_identity(target), extra={"ttt_steps": 3})
     assert load_tool("pack_artifact").main([str(tmp_path / "f"), str(tmp_path / "q"), "--drafter-storage",
                                             "int8"]) == 0
+    assert load_tool("pack_artifact").main([str(tmp_path / "f"), str(tmp_path / "g"), "--gamma", "2"]) == 2
+    assert not (tmp_path / "g").exists()  # (exit-head options refused for a drafter run, nothing written)
     meta = json.loads((tmp_path / "q" / "hispec_drafter.json").read_text())
     assert meta["version"] == 2 and meta["storage"] == "int8" and meta["ttt_steps"] == 3
     assert json.loads((tmp_path / "f" / "hispec_drafter.json").read_text())["version"] == 1

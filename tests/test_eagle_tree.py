@@ -162,11 +162,17 @@ def test_the_latency_model_prices_a_drafter_tree_and_a_chain_shaped_one_as_the_c
     assert latency.tree_round_seconds([2, 1], cal, EAGLE) == pytest.approx(R)
     want = (R + d(1 + (E - 1)) - d(1)) / E  # + the context: every verified token passes the drafter once
     assert latency.tree_time_per_token([2, 1], cal, EAGLE) == pytest.approx(want)
-    for g in (1, 2, 4):  # a chain-shaped tree is the chain, alone and lookup-first
-        assert latency.tree_time_per_token([1] * g, cal, EAGLE) == pytest.approx(
-            latency.time_per_token([EAGLE, FULL], [g], cal))
-    assert latency.tree_time_per_token([1], cal, EAGLE, lookup=True) == pytest.approx(
-        latency.time_per_token([LOOKUP + EAGLE, FULL], [1], cal))
+    # a chain-shaped tree is the chain, alone and lookup-first, also where the step-0 top-1 (0.7) is above the
+    # chain's rate a: the calibrated step-0 rates are moved to a (r(k) a / r(1))
+    step0 = dataclasses.replace(cal, topk={"eagle3>full": [0.7, 0.8, 0.9]})
+    for c_ in (cal, step0):
+        for g in (1, 2, 4):
+            assert latency.tree_time_per_token([1] * g, c_, EAGLE) == pytest.approx(
+                latency.time_per_token([EAGLE, FULL], [g], c_))
+        assert latency.tree_time_per_token([1], c_, EAGLE, lookup=True) == pytest.approx(
+            latency.time_per_token([LOOKUP + EAGLE, FULL], [1], c_))
+    E2 = 1 + 0.8 * a / 0.7 + 0.8 * a / 0.7 * a  # [2, 1] at the moved rates
+    assert latency.tree_time_per_token([2, 1], step0, EAGLE) == pytest.approx((R + d(E2) - d(1)) / E2)
     # the decoder's fitted overheads join as in a chain round; a tree round pays tree_overhead on top
     od, ov, ot = 3e-4, 7e-4, 2e-4
     over = dataclasses.replace(cal, costs={**cal.costs, "drafter_overhead": od, "drafter_verify_overhead": ov,

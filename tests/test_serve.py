@@ -305,3 +305,20 @@ def test_auto_rows_join_and_leave_with_their_own_policy_state():
         solo = model.generate(torch.tensor([req.prompt]), max_new_tokens=req.max_new_tokens, strategy=req.strategy)
         assert h.tokens == solo.new_tokens[0], req.strategy
     assert engine.kv_blocks_used() == 0
+
+
+def test_drafter_rows_join_and_leave_a_running_batch_exactly():
+    """`eagle` / `eagle-lookup` requests of different lengths through the engine (runs of different widths joined,
+    the drafter's per-row buffers included): each equals its solo run."""
+    from test_eagle_decoding import _trained_drafter
+
+    model = _wrap(tiny_model("llama"))
+    model.attach_drafter(_trained_drafter(model, steps=60))
+    prompts = _prompts(6, seed=4)
+    reqs = [Request(p, max_new_tokens=n, strategy=s)
+            for p, n, s in zip(prompts, [5, 19, 3, 12, 25, 8], ["eagle", "eagle-lookup"] * 3)]
+    engine = Engine(model, kv_blocks=96, block_size=4, max_batch=4, prefill_chunk=6)
+    handles = _staggered(engine, reqs, [0, 0, 1, 3, 4, 9])
+    for req, h in zip(reqs, handles):
+        assert h.tokens == _solo(model, req), req.strategy
+    assert engine.kv_blocks_used() == 0

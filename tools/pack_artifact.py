@@ -81,7 +81,7 @@ def pack_drafter(run_dir, out_dir, *, storage: str = "float") -> dict:
         for f in run_dir.iterdir():
             if f.is_file() and f.name not in (DRAFTER_FILE, DRAFTER_CONFIG):
                 shutil.copy2(f, tmp / f.name)
-        save_drafter(drafter, tmp, base=meta["base"], extra=extra, storage=storage)
+        save_drafter(drafter, tmp, base=meta.get("base", {}), extra=extra, storage=storage)
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -106,6 +106,14 @@ def main(argv=None) -> int:
     from hispec.eagle3 import is_drafter_run
 
     if is_drafter_run(args.run):
+        heads_only = {"--base": args.base, "--draft-vocab-size": args.draft_vocab_size, "--gamma": args.gamma,
+                      "--verify-vocab-size": args.verify_vocab_size, "--vocab-data": args.vocab_data or None,
+                      "--window": args.window, "--heads-dtype": args.heads_dtype}
+        given = [k for k, v in heads_only.items() if v is not None]
+        if given:
+            print(f"pack_artifact: error: {', '.join(given)} apply to exit-head runs; {args.run} is an EAGLE-3 "
+                  "drafter run (only --drafter-storage applies)", file=sys.stderr)
+            return 2
         try:
             meta = pack_drafter(args.run, args.output, storage=args.drafter_storage)
         except (OSError, ValueError) as e:

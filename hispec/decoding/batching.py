@@ -52,7 +52,9 @@ class _RowSet:
     def extend(self, other: "_Run") -> None:
         """Append the rows of `other`, a prefilled run of the same hierarchy and sampling settings whose cache shares
         this cache's storage: continuous batching admits requests between rounds this way. Per-position buffers are
-        padded to the wider run (each row only reads below its own limit); the caches join with `cache.extend`."""
+        padded to the wider run (each row only reads below its own limit; an EAGLE-3 drafter's keys by slot too:
+        the narrower run's old scratch slot lies past its rows' limits, the last slot is the scratch of both); the
+        caches join with `cache.extend`."""
         def cat(a, b):
             if a is None and b is None:
                 return None
@@ -60,9 +62,14 @@ class _RowSet:
                 ref = a if a is not None else b
                 z = ref.new_zeros((B1 if a is None else B2,) + tuple(ref.shape[1:]))
                 a, b = (z, b) if a is None else (a, z)
-            if a.dim() > 1 and a.shape[1] != b.shape[1]:
-                w = max(a.shape[1], b.shape[1])
-                pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], w - t.shape[1]) + tuple(t.shape[2:]))], 1)  # noqa: E731
+            if a.dim() > 1 and a.shape[1:] != b.shape[1:]:  # per-position buffers (and a drafter's KV by slot,
+                shape = [max(x, y) for x, y in zip(a.shape[1:], b.shape[1:])]  # dim 2) of another width
+
+                def pad(t):
+                    out = t.new_zeros((t.shape[0], *shape))
+                    out[(slice(None), *(slice(0, n) for n in t.shape[1:]))] = t
+                    return out
+
                 a, b = pad(a), pad(b)
             return torch.cat([a, b])
 

@@ -108,10 +108,11 @@ def eagle_tree_round(run, spec) -> None:
     children(1, logits[:, None], grow[:, None])
     for d in range(1, D):
         children(d + 1, draft(d), nvalid[:, lay.nodes(d)])
-    proposed, drafted, entries, inner = torch.stack(
-        [nvalid.sum(), grow.sum(), n_ctx.sum(), nvalid[:, : lay.offset[D - 1]].sum()]).tolist()
+    rows_per_depth = [nvalid[:, lay.nodes(d)].any(1).sum() for d in range(1, D)]  # rows each inner pass ran for
+    proposed, drafted, entries, inner, *rows_d = torch.stack(
+        [nvalid.sum(), grow.sum(), n_ctx.sum(), nvalid[:, : lay.offset[D - 1]].sum(), *rows_per_depth]).tolist()
     st0.passes += D
-    st0.row_passes += drafted * D
+    st0.row_passes += drafted + sum(rows_d)
     st0.layer_evals += entries + inner  # one drafter layer per entry: the catch-up, then every inner node
     st0.proposed += proposed
     st0.proposals += drafted

@@ -27,7 +27,8 @@ replace the exit's passes by the drafter's and add what a drafter hierarchy pays
     R(tree) = sum_{d<D} (drafter(n_d) + o + o_d) [n_0 = 1] + V_0full(N + 1) + o + o_v + o_tree,
     T_tree  = (R(tree) + c(E(tree) - 1)) / E(tree),
 
-c(x) the drafter's context (the tokens verified since it last ran), r(k) its step-0 top-k agreement. The
+c(x) the drafter's context (the tokens verified since it last ran), r(k) its step-0 top-k agreement moved to its
+chain rate (`_topk_rates`); `tree_overhead` is the exit trees' fit (no drafter-tree probe is timed). The
 lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
 round kinds as the lookup-first formula (`hispec.latency.model`) does, the exit's chain round replaced by R(tree)
 and E(tree).
@@ -49,11 +50,19 @@ TREE_ROWS = (16, 24, 32)  # pass sizes timed beyond the chains' for tree verific
 
 
 def _topk_rates(cal: Calibration, level: str, topk: dict | None) -> list[float]:
+    """r(k) of `level`: `topk`'s (a row's own, under `auto`), else the calibration's. The drafter's calibrated rates
+    are its step-0 top-k, and its later drafts agree less, so they are moved to its chain rate a (`scaled_topk`:
+    r(k) a / r(1)): every depth is then priced at a like the chain's drafts, the top-k in step 0's proportion, and
+    a chain-shaped drafter tree gets exactly the drafter chain's figure."""
     key = pair_key(level, FULL)
-    rates = (topk or {}).get(key) or (cal.topk or {}).get(key)
+    if (topk or {}).get(key):
+        return [float(r) for r in topk[key]]
+    rates = (cal.topk or {}).get(key)
     if not rates:
         raise CalibrationError(f"no top-k agreement for {key} in the calibration (made before tree drafts were "
                                f"modelled); recalibrate (hispec-export ... --calibrate)")
+    if level == EAGLE and cal.acceptance.get(key) is not None:
+        return scaled_topk(rates, cal.acceptance[key])
     return [float(r) for r in rates]
 
 
