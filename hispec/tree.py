@@ -19,11 +19,10 @@ still produce, deeper nodes are invalid slots for it):
    node's children (`hispec.sampling.recursive_accept`); a residual sample when all are rejected, else the next
    depth; the full model's own sample after the deepest accepted node. An accepted EOS ends the path.
 
-Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): before the tree, every row tries the n-gram lookup;
-rows it serves are verified as a chain, and then every row still decoding (in a batch the served ones too) drafts
-the tree (`_lookup_first`). Under `auto` a row whose `gam[0]` is 0 decodes plainly: it drafts nothing (no lookup, no
-tree nodes) and gets the full model's token from the tree round's pass; the policy observes each round
-(`_AutoPolicy.observe_tree`).
+Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): every row tries the n-gram lookup first; rows it serves
+are verified as a chain, then every row still decoding drafts the tree (`_lookup_first`). Under `auto` a row whose
+`gam[0]` is 0 decodes plainly (no lookup, no nodes; the full model's token from the same pass), and the policy
+observes each round (`observe_tree`). The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`).
 
 Masks. Attention masks come from each slot's (valid, position) as everywhere in hispec; a tree pass adds an
 explicit `allow` mask (`DecoderAdapter.run_layers(allow=...)`): among this round's tree slots a node sees only
