@@ -279,11 +279,10 @@ def tree_round(run, spec):
 
 def verify_tree(run, lay: _Layout, seq, node_states, nvalid, capture: dict | None = None):
     """ONE pass of the verifier's range (the layers above level 0's) over each row's pending position(s) and all N
-    tree nodes (`node_states` `[B, N, H]`: the range's inputs at the nodes, valid where `nvalid`), a node seeing
-    only itself and its ancestors among the tree's slots (`_allow`); `capture` as in `run_layers` -> (the range's
-    output `[B, P + N, H]`, the full model's logits `[B, 1 + N, V]` (0: the root, predicting depth 1; 1 + i: node
-    i), P the most pending positions of any row, pvalid / ppos `[B, P]` their validity and positions, the cache slot
-    where the tree's own slots start)."""
+    tree nodes (`node_states`: the range's inputs `[B, N, H]`, or token ids `[B, N]` where it starts at the
+    embedding; valid where `nvalid`), a node seeing only itself and its ancestors among the tree's slots; `capture`
+    as in `run_layers` -> (the range's output `[B, P + N, H]`, the full model's logits `[B, 1 + N, V]` (0: the root,
+    1 + i: node i), P the most pending positions of any row, pvalid / ppos `[B, P]`, the tree's first cache slot)."""
     ad, cache = run.adapter, run.cache
     _, a1, L = run.bounds
     B, N, dev = nvalid.shape[0], nvalid.shape[1], nvalid.device
@@ -294,6 +293,8 @@ def verify_tree(run, lay: _Layout, seq, node_states, nvalid, capture: dict | Non
     ppos = torch.where(pvalid, pstart[:, None] + ar, (seq - 1)[:, None])
     pin = run.hid[1].gather(1, ppos[..., None].expand(-1, -1, ad.hidden_size))
     npos = torch.where(nvalid, seq[:, None] + lay.depth[None] - 1, (seq - 1)[:, None])
+    if not node_states.is_floating_point():
+        node_states = ad.embed(node_states, npos)
     inp = torch.cat([pin, node_states.to(pin.dtype)], 1)
     pos = torch.cat([ppos, npos], 1)
     valid = torch.cat([pvalid, nvalid], 1)

@@ -70,6 +70,7 @@ def eagle_tree_round(run, spec) -> None:
     qrows = torch.zeros(B, 1 + N, V, dtype=torch.float32, device=dev) if run.do_sample else None  # 0: the root
     scratch = run.dk.shape[2] - 1
     embed = run.model.base.get_input_embeddings()
+    S0 = int(seq.max())  # (one read from the device for the whole round: each pass's keys run to S0 + its nodes)
 
     def children(d: int, parent_logits: torch.Tensor, parent_valid: torch.Tensor) -> None:
         """Depth d's tokens from their parents' draft-vocabulary logits `[B, n_{d-1}, Vd]`."""
@@ -94,7 +95,7 @@ def eagle_tree_round(run, spec) -> None:
         hidden = run.dh[:, None].expand(-1, len(q_nodes), -1) if d == 1 else nh[:, lay.parent[sl]]
         pos = (seq + d - 1)[:, None].expand(-1, len(q_nodes))
         write = torch.where(valid, seq[:, None] + q_nodes, torch.full_like(pos, scratch))
-        keys = torch.arange(int(seq.max()) + sl.stop, device=dev)
+        keys = torch.arange(S0 + sl.stop, device=dev)
         rel = keys[None] - seq[:, None]  # [B, S]: a key's node id (slot seq + i holds node i)
         in_tree = (rel >= 0) & (rel < sl.stop)
         anc = lay.anc[q_nodes][None].expand(B, -1, -1).gather(2, rel.clamp(0, N - 1)[:, None].expand(-1, len(q_nodes), -1))
@@ -120,9 +121,8 @@ def eagle_tree_round(run, spec) -> None:
     t1 = timing.now(run.device)
 
     # ---------------------------------------------------------------- verification (one pass of the full model)
-    npos = torch.where(nvalid, seq[:, None] + lay.depth[None] - 1, (seq - 1)[:, None])
     capture = run._eagle_capture(run.K)  # the drafter's aux layers, for the pending positions and the path
-    _, flog, P, pvalid, ppos, T0 = verify_tree(run, lay, seq, ad.embed(ntok, npos), nvalid, capture)
+    _, flog, P, pvalid, ppos, T0 = verify_tree(run, lay, seq, ntok, nvalid, capture)  # (from the embeddings)
 
     # ---------------------------------------------------------------- acceptance, commit, rollback
     path, bonus, prow, pred = accept_tree(run, spec, lay, flog, ntok, nvalid, qrows)
