@@ -21,8 +21,8 @@ still produce, deeper nodes are invalid slots for it):
 
 Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): every row tries the n-gram lookup first; rows it serves
 are verified as a chain, then every row still decoding drafts the tree (`_lookup_first`). Under `auto` a row whose
-`gam[0]` is 0 decodes plainly (no lookup, no nodes; the full model's token from the same pass), and the policy
-observes each round (`observe_tree`). The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`).
+`gam[0]` is 0 decodes plainly (no lookup, no nodes; the full model's token from the same pass), a `lookup_only`
+row tries the lookup but drafts no tree where it misses, and the policy observes each round (`observe_tree`). The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`).
 
 Masks. Attention masks come from each slot's (valid, position) as everywhere in hispec; a tree pass adds an
 explicit `allow` mask (`DecoderAdapter.run_layers(allow=...)`): among this round's tree slots a node sees only
@@ -171,7 +171,7 @@ def _allow(lay: _Layout, q_nodes: torch.Tensor, slot_nodes: torch.Tensor, before
 def tree_round(run, spec):
     """One tree round for every row of `run` (a `hispec.decoding._Run` with levels [exit, full]); under a
     lookup-first exit (`ngram|EXIT`) the n-gram lookup goes first (`_lookup_first`)."""
-    if run.levels[0].lookup and not _lookup_first(run):
+    if run.levels[0].lookup and not _lookup_first(run) or run.verify_plainly_if_none_drafts():
         return
     if isinstance(spec, DynamicTreeSpec):
         return dynamic_round(run, spec)
@@ -190,8 +190,8 @@ def tree_round(run, spec):
 
     seq = run.seq.clone()  # tokens [0, seq) are committed; seq - 1 has passed no range yet
     part = seq < run.limit  # rows that still decode
-    # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding: gam 0)
-    depth_cap = (run.limit - seq).clamp(min=0, max=D) * (run.gam[0] > 0)
+    # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding or lookup only)
+    depth_cap = (run.limit - seq).clamp(min=0, max=D) * run.drafting_rows()
     # ---------------------------------------------------------------- drafting
     out, start, hf = run._advance(0, seq)
     if out is None:
@@ -545,7 +545,7 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     H = ad.hidden_size
     t0 = timing.now(run.device)
     seq = run.seq.clone()
-    depth_cap = (run.limit - seq).clamp(min=0, max=D) * (run.gam[0] > 0)
+    depth_cap = (run.limit - seq).clamp(min=0, max=D) * run.drafting_rows()
 
     out, start, hf = run._advance(0, seq)
     if out is None:

@@ -458,3 +458,128 @@ def test_a_calibration_from_another_machine_or_model_is_refused_clearly(monkeypa
     model.hispec_config.calibration = dict(cal.to_dict(), model={**cal.model, "num_layers": 12})
     with pytest.raises(latency.CalibrationError, match="another model"):
         model.generate(ids, max_new_tokens=5, strategy="auto")
+
+
+# ---------------------------------------------------------------------------------------------- the lookup alone
+def _force_lookup_alone(monkeypatch, pick):
+    """After auto's rule, rows whose original index satisfies `pick` draft by the lookup alone (exit / drafter off)."""
+    choose = decoding._AutoPolicy.choose
+
+    def forced(self, run):
+        choose(self, run)
+        rows = torch.tensor([bool(pick(int(r))) for r in run.orig.tolist()], device=run.seq.device)
+        run.gam[0] = torch.where(rows, torch.clamp(run.gam[0], min=1), run.gam[0])
+        run.stats.lookup_only_row_rounds += int((rows & ~run.lookup_only).sum())
+        run.lookup_only = run.lookup_only | rows
+
+    monkeypatch.setattr(decoding._AutoPolicy, "choose", forced)
+
+
+def _lookup_priors(model, tree: bool, prompts=([5, 6, 7, 8, 9, 5, 6],)):
+    """Priors under which auto runs the lookup-first exit: as a chain, or (`tree`) drafting trees where it misses."""
+    if tree:
+        return _tree_priors(model, lookup=True, prompts=prompts)
+    cal = _calibrated(model, lambda k: {"L2>full": 0.9, "ngram>full": 0.7, "L1>full": 0.9}.get(k, 0.0), 0.5,
+                      prompts=prompts, realistic=True)
+    cal = dataclasses.replace(cal, topk=None)  # (no top-k rates: no tree is planned)
+    model.hispec_config.calibration = cal.to_dict()
+    return cal
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeypatch, family, tree):
+    """Some rows (then every row) of a lookup-first `auto` run draft by the lookup alone: output is plain
+    decoding's, and with every row so the exit drafts nothing (every proposal is the lookup's)."""
+    model = _wrap(tiny_model(family), head_type="linear", draft=2, verify=4)
+    _lookup_priors(model, tree)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 24)
+    for pick in (lambda r: r % 2, lambda r: True):
+        _force_lookup_alone(monkeypatch, pick)
+        out = model.generate(ids, am, max_new_tokens=24, strategy="auto")
+        assert torch.equal(out.sequences, ref)
+        assert out.stats.strategy.startswith("auto:ngram|L2>full" + ("[tree" if tree else ""))
+        assert out.stats.lookup_only_row_rounds > 0
+    lv0 = out.stats.levels[0]
+    assert 0 < lv0.lookups == lv0.proposals  # (every row alone: no exit proposal, no tree drafted)
+
+
+def test_the_rule_drafts_by_the_lookup_alone_where_the_exit_loses_and_the_lookup_pays():
+    """Three rows of one lookup-first `auto` batch, speculating: the exit agrees, the lookup rarely matches -> the
+    exit with the lookup first; the exit never agrees but the lookup does -> the lookup alone; neither -> plain
+    decoding. The same three choices under the lookup-first tree."""
+    from types import SimpleNamespace
+
+    model = _wrap(tiny_model("llama"), head_type="linear", draft=2, verify=4)
+    for tree in (False, True):
+        cal = _lookup_priors(model, tree)
+        levels, spec, pol = decoding.generation._auto_policy(model, cal, 3, "cpu", gamma=1, window=1,
+                                                             ngram=NgramConfig(), max_new_tokens=64, trees=tree)
+        assert [lv.name for lv in levels] == ["ngram|L2", "full"] and (spec is not None) == tree
+        w = pol.PRIOR * 5
+        for agreed, disagreed, rates in ((pol.acc[:, 0], pol.rej[:, 0], [0.95, 0.0, 0.0]),
+                                         (pol.lacc, pol.lrej, [0.3, 0.95, 0.0]), (pol.hit, pol.miss, [0.3, 0.95, 0.0])):
+            agreed.copy_(torch.tensor(rates) * w)
+            disagreed.copy_((1 - torch.tensor(rates)) * w)
+        if tree:
+            pol.khit.copy_(torch.tensor([[0.95] * len(pol.kwidths), [0.0] * len(pol.kwidths), [0.0] * len(pol.kwidths)]))
+            pol.kseen.fill_(1.0)
+        pol.lowest.zero_()  # all three speculated last round (no hysteresis)
+        run = SimpleNamespace(gam=[torch.ones(3, dtype=torch.long)], do_sample=False, ngram=NgramConfig(),
+                              lookup_only=torch.zeros(3, dtype=torch.bool),
+                              stats=SimpleNamespace(row_rounds=0, plain_row_rounds=0, lookup_only_row_rounds=0))
+        pol.choose(run)
+        assert run.lookup_only.tolist() == [False, True, False], tree
+        assert run.gam[0][0] > 0 and run.gam[0][1] > 0 and run.gam[0][2] == 0, tree
+        assert (run.stats.lookup_only_row_rounds, run.stats.plain_row_rounds) == (1, 1)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_row_drafting_by_the_lookup_alone_measures_its_exit_in_the_shadow_and_takes_it_back(monkeypatch, tree):
+    """Every row starts sure its exit never agrees (the lookup alone is chosen) while the exit is in fact always
+    right: where the lookup misses, the exit is shadowed, and every row takes its exit back."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)  # the exit is always right
+    _lookup_priors(model, tree)
+    init = decoding._AutoPolicy.__init__
+
+    def exit_never_agrees(self, *a, **kw):
+        init(self, *a, **kw)
+        self.acc.zero_()
+        self.rej.fill_(self.PRIOR)
+        self.khit.zero_()
+
+    monkeypatch.setattr(decoding._AutoPolicy, "__init__", exit_never_agrees)
+    monkeypatch.setattr(decoding._AutoPolicy, "SHADOW_EVERY", 1)
+    alone = []
+    choose = decoding._AutoPolicy.choose
+
+    def spy(self, run):
+        choose(self, run)
+        alone.append(run.lookup_only.tolist())
+
+    monkeypatch.setattr(decoding._AutoPolicy, "choose", spy)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 40)
+    out = model.generate(ids, am, max_new_tokens=40, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    assert all(alone[0]), alone  # the lookup alone first, every row ...
+    assert any(not any(r) for r in alone[1:]), alone  # ... then every row with its exit back
+    assert out.stats.levels[0].proposals > out.stats.levels[0].lookups  # (the exit proposed)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)],
+                         ids=["plain", "warped"])
+def test_rows_drafting_by_the_lookup_alone_keep_the_exact_distribution(monkeypatch, warp, tree):
+    model = _tiny_vocab_model()
+    _lookup_priors(model, tree, prompts=([1, 3, 2],))
+    _force_lookup_alone(monkeypatch, lambda r: r % 2)  # half the rows by the lookup alone, half as auto chose
+    prompt, n = [1, 3, 2, 1, 3], 3
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="auto", do_sample=True,
+                         generator=torch.Generator().manual_seed(3), **warp)
+    s = out.stats
+    assert s.strategy.startswith("auto:ngram|L1>full" + ("[tree" if tree else "")), s.strategy
+    assert s.lookup_only_row_rounds > 0 and s.levels[0].lookups > 0
+    assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4

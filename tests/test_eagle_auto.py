@@ -296,3 +296,48 @@ def test_a_switched_off_drafter_is_measured_in_the_shadow_and_switched_back_on(m
             assert float(x[b]) == float(step0[r, p - 2] == ref[r, p]), (r, p)
             checked, hits = checked + 1, hits + int(x[b])
     assert checked >= 10 and 0 < hits < checked and all(int(s.min()) >= P for _, s, _, _ in seen)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_drafter_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeypatch, tree):
+    """`ngram|eagle3` under auto with some rows (then every row) drafting by the lookup alone: output is plain
+    decoding's; with every row so the drafter drafts nothing (every proposal is the lookup's)."""
+    from test_auto import _force_lookup_alone
+    from test_eagle_tree import _tree_priors
+
+    model = _with_drafter("llama", steps=60)
+    if tree:
+        _tree_priors(model, ngram=0.9, match=0.6)
+    else:
+        _drafter_priors(model, ngram=0.9, match=0.6)
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 24)
+    for pick in (lambda r: r % 2, lambda r: True):
+        _force_lookup_alone(monkeypatch, pick)
+        out = model.generate(ids, am, max_new_tokens=24, strategy="auto")
+        assert torch.equal(out.sequences, ref)
+        assert out.stats.strategy.startswith("auto:ngram|eagle3>full" + ("[tree" if tree else ""))
+    lv0 = out.stats.levels[0]
+    assert 0 < lv0.lookups == lv0.proposals and out.stats.lookup_only_row_rounds > 0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_drafter_rows_drafting_by_the_lookup_alone_keep_the_exact_distribution(monkeypatch, tree):
+    from test_auto import _force_lookup_alone
+    from test_eagle_tree import _confident_drafter, _tree_priors
+
+    model = _tiny_vocab_model()
+    model.attach_drafter(_confident_drafter(model, None))
+    if tree:
+        _tree_priors(model, eagle=0.5, topk=(0.5, 0.9, 0.95), ngram=0.9, match=0.6, prompts=([1, 3, 2],))
+    else:
+        _drafter_priors(model, eagle=0.6, ngram=0.7, match=0.5, prompts=([1, 3, 2],))
+    _force_lookup_alone(monkeypatch, lambda r: r % 2)  # half the rows by the lookup alone, half as auto chose
+    prompt, n, warp = [1, 3, 2, 1, 3], 3, dict(temperature=0.8)
+    outcomes, probs = _exact_joint(model, prompt, n, warp)
+    out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="auto", do_sample=True,
+                         generator=torch.Generator().manual_seed(5), **warp)
+    s = out.stats
+    assert s.strategy.startswith("auto:ngram|eagle3>full" + ("[tree" if tree else "")), s.strategy
+    assert s.lookup_only_row_rounds > 0 and s.levels[0].lookups > 0 and s.levels[0].proposals > s.levels[0].lookups
+    assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4

@@ -452,6 +452,28 @@ def test_generation_dtype_restores_the_weights_bit_for_bit():
     assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied here; tied models share one
 
 
+def test_generating_packs_the_linears_for_the_block_and_puts_the_same_modules_back(monkeypatch):
+    from tiny import tiny_model
+    from hispec import packed
+    from hispec.distill.answers import generating
+
+    if not packed.available():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    model = tiny_model("llama")
+    before = dict(model.named_modules())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = model(ids).logits
+    with generating(model, None):
+        kinds = [type(m) for m in model.modules()]
+        assert kinds.count(packed.PackedLinear) == sum(isinstance(m, torch.nn.Linear) for m in before.values())
+        torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)  # the same product, another order
+    assert dict(model.named_modules()) == before  # the very same module objects, nothing packed left behind
+    assert not any(isinstance(m, packed.PackedLinear) for m in model.modules())
+    monkeypatch.setattr(packed, "available_memory", lambda: 1)  # the copies would not fit: stock kernels
+    with packed.for_generation(model) as n:
+        assert n == 0 and not any(isinstance(m, packed.PackedLinear) for m in model.modules())
+
+
 def _sp_args(**kw):
     from hispec.distill.self_prompts import SelfPromptArguments
 

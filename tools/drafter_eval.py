@@ -43,15 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _sequences(base, tokenizer, prompts, max_new_tokens: int, batch_size: int):
     """(token ids prompt + greedy answer, index of the first answer token) per prompt."""
+    from hispec import packed
     from hispec.distill.generate import answer_batches
     from hispec.prompts import eos_ids, pad_id_of, render
 
     ids = [render(tokenizer, p.text) for p in prompts]
     out = [None] * len(ids)
-    for idx, rows in answer_batches(base, ids, batch_size=batch_size, pad_id=pad_id_of(tokenizer),
-                                    eos=eos_ids(tokenizer, base.generation_config), max_new_tokens=max_new_tokens):
-        for i, (toks, _) in zip(idx, rows):
-            out[i] = (ids[i] + toks, len(ids[i]))
+    with packed.for_generation(base):
+        for idx, rows in answer_batches(base, ids, batch_size=batch_size, pad_id=pad_id_of(tokenizer),
+                                        eos=eos_ids(tokenizer, base.generation_config), max_new_tokens=max_new_tokens):
+            for i, (toks, _) in zip(idx, rows):
+                out[i] = (ids[i] + toks, len(ids[i]))
     return out
 
 

@@ -43,7 +43,11 @@ class _AutoPolicy:
     lookup, every time) is compared with it (greedy: equal top-1;
     sampling: the exact acceptance probability sum(min(p, q)), or p(x) for an n-gram point mass). So a row drops
     to cheaper hierarchies, down to plain decoding, when speculation stops paying, and climbs back when it pays
-    again. Hysteresis: a row decoding plainly starts speculating only when the predicted time per token is more
+    again. Under a lookup-first level 0 directly below the full model a row has a third choice besides the exit
+    (or drafter) with the lookup first and plain decoding: the lookup alone (`run.lookup_only`: where it misses the
+    row decodes plainly that round), chosen where `ngram>full` is predicted faster than both under the row's own
+    n-gram rate and match rate; the switched-off exit is shadowed where the lookup missed, so the row climbs back.
+    Hysteresis: a row decoding plainly starts speculating only when the predicted time per token is more
     than MARGIN below plain decoding's (within the latency model's measured error a gain is not a gain); a row
     already speculating keeps doing so while any gain is predicted.
 
@@ -106,7 +110,8 @@ class _AutoPolicy:
         i = k - 1
         lower = run.levels[i]
         # what the rule reads, in one copy from the device (not one per tensor)
-        part, m, a, gam, exhausted = torch.stack([part.long(), m, a, run.gam[i], run.exhausted.long()]).cpu()
+        part, m, a, gam, exhausted, only = torch.stack(
+            [part.long(), m, a, run.gam[i], run.exhausted.long(), run.lookup_only.long()]).cpu()
         part = part.bool()
         gam_off = gam == 0
         spoke = part & (m > 0)
@@ -116,6 +121,9 @@ class _AutoPolicy:
             for pair, rows in ((None, served), (i, spoke & ~served)):
                 rows = rows.nonzero().flatten()
                 self._update(pair, rows, a[rows].double(), (a[rows] < m[rows]).double())
+            # (a lookup-only row it missed gathered nothing: counted here when a chain round marked it exhausted,
+            # not when a tree round verifies it plainly, which counted its miss already: `lookup_missed`)
+            tried = tried & (spoke | exhausted.bool())
             self._match(tried.nonzero().flatten(), served[tried].double())
         else:
             rows = spoke.nonzero().flatten()
@@ -125,10 +133,13 @@ class _AutoPolicy:
                 nothing = (tried & (m == 0)).nonzero().flatten()  # the n-gram was asked and found nothing
                 self._match(nothing, torch.zeros(len(nothing)))
         shadow = (part & (m == 0) & gam_off).nonzero().flatten()
+        if shadow.numel() and (lower.kind == "ngram" or lower.lookup):
+            self._shadow_lookup(run, None if lower.lookup else i, shadow, new, probs)
+        if lower.lookup:  # rows drafting by the lookup alone that it missed: their exit / drafter is shadowed too
+            alone = part & (m == 0) & ~gam_off & only.bool()
+            shadow = torch.cat([shadow, alone.nonzero().flatten()]).sort().values
         if not shadow.numel():
             return
-        if lower.kind == "ngram" or lower.lookup:
-            self._shadow_lookup(run, None if lower.lookup else i, shadow, new, probs)
         if lower.kind == "exit":
             self._shadow_exit(run, k, shadow, new, probs)
         if lower.kind == "eagle3":
@@ -216,8 +227,9 @@ class _AutoPolicy:
         if rank is not None and self.kwidths:
             self._topk(rows, cpu(rank)[rows])
         shadow = (part & ~drafted).nonzero().flatten()
-        if shadow.numel() and self.lookup:
-            self._shadow_lookup(run, None, shadow, new, probs)
+        plain = (part & ~drafted & (cpu(run.gam[0]) == 0)).nonzero().flatten()  # (lookup-only rows tried it)
+        if plain.numel() and self.lookup:
+            self._shadow_lookup(run, None, plain, new, probs)
         if shadow.numel() and drafter:
             self._shadow_drafter(run, shadow, new, probs)
 
@@ -239,7 +251,7 @@ class _AutoPolicy:
         rates, widths = cal.topk[key], list(self.tree.widths)
         plain = cal.plain_seconds_per_token()
         own = None if run.do_sample else (self.khit / self.kseen[:, None].clamp(min=1e-9)).tolist()
-        gam = [0] * alphas.shape[0]
+        gam, only = [0] * alphas.shape[0], [False] * alphas.shape[0]
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == 1 else 0.0
             row = self.latency.scaled_topk(rates, float(alphas[b, 0]))
@@ -250,15 +262,21 @@ class _AutoPolicy:
             t = self.latency.tree_time_per_token(widths, cal, exit_level, topk, lookup=self.lookup,
                                                  acceptance=ng, match=float(match[b]))
             on = t < plain * (1 - margin)
-            gam[b] = 1 if on else 0
-            self.lowest[b] = 0 if on else 1
+            only[b] = self.lookup and self._lookup_alone(cal, t if on else plain, plain * (1 - margin),
+                                                         float(lookup[b]), float(match[b]))
+            gam[b] = 1 if on or only[b] else 0
+            self.lowest[b] = 0 if gam[b] else 1
         run.gam = [torch.tensor(gam, dtype=run.gam[0].dtype, device=run.gam[0].device)]
+        run.lookup_only = torch.tensor(only, device=run.gam[0].device)
+        return sum(only)
 
     def _choose_chain(self, run: _Run, cal, alphas, lookup, match):
         """Per row: the lowest level it uses and the gammas above it that the latency model predicts fastest under
         the row's own estimates (`latency.best_gammas`), with hysteresis towards plain decoding."""
         K = len(self.chain) - 1
         gam = [[0] * alphas.shape[0] for _ in range(K)]  # (every row's every gamma is set below)
+        only = [False] * alphas.shape[0]
+        plain = cal.plain_seconds_per_token()
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
             rates = {p[0]: a for p, a in zip(self.pairs, alphas[b].tolist())}
@@ -266,11 +284,25 @@ class _AutoPolicy:
                 rates[self.pairs[0][1]] = float(lookup[b])
             gs = self.latency.best_gammas(self.names, cal, rates, max_gamma=self.max_gamma,
                                           ngram_match=float(match[b]), margin=margin)
+            if self.lookup and K == 1:  # the lookup alone, where it beats what the rule chose
+                now = self.latency.time_per_token(self.names, gs, cal, rates, float(match[b])) if gs[0] else plain
+                if self._lookup_alone(cal, now, plain * (1 - margin), float(lookup[b]), float(match[b])):
+                    only[b], gs = True, [1]
             self.lowest[b] = next((i + 1 for i in range(K - 1, -1, -1) if gs[i] == 0), 0)
             for i in range(K):
                 gam[i][b] = gs[i]
         like = run.gam[0]
         run.gam = list(torch.tensor(gam, dtype=like.dtype, device=like.device).unbind(0))  # one copy to the device
+        if self.lookup:
+            run.lookup_only = torch.tensor(only, device=like.device)
+        return sum(only)
+
+    def _lookup_alone(self, cal, now: float, below: float, rate: float, match: float) -> bool:
+        """Whether a row of a lookup-first level 0 drafts faster by the lookup alone (`ngram>full`, under the row's
+        n-gram rate and match rate: `latency.lookup_alone_seconds`) than by what the rule chose (`now`, seconds
+        per token) and in less than `below` (plain decoding's time, less the hysteresis margin)."""
+        t = self.latency.lookup_alone_seconds(cal, rate, match)
+        return t < now and t < below
 
     def choose(self, run: _Run):
         """Before a round: every row's gammas `run.gam`, from its estimates (a tree's rows: the tree or plain)."""
@@ -279,12 +311,11 @@ class _AutoPolicy:
         match = self.hit / (self.hit + self.miss).clamp(min=1e-9)
         K = len(self.chain) - 1
         cal = self.cal.at_batch(alphas.shape[0])  # priced at this batch's costs (`Calibration.at_batch`)
-        if self.tree is not None:
-            self._choose_tree(run, cal, alphas, lookup, match)
-        else:
-            self._choose_chain(run, cal, alphas, lookup, match)
+        choose = self._choose_tree if self.tree is not None else self._choose_chain
+        alone = choose(run, cal, alphas, lookup, match)  # (how many rows draft by the lookup alone)
         run.stats.row_rounds += alphas.shape[0]
         run.stats.plain_row_rounds += int((self.lowest == K).sum())
+        run.stats.lookup_only_row_rounds += alone
 
     def extend(self, other: "_AutoPolicy"):  # (the guard's timings stay: they are per token, not per row)
         for name in self.ROW_STATE:

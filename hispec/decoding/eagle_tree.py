@@ -21,7 +21,8 @@ Lossless for the reasons `hispec.tree` gives: greedy commits only the full model
 prefix (each node's full-model row was computed with exactly its ancestors as context); sampling is speculative
 sampling per depth against the drafter's stored q, children drawn without replacement.
 Under `auto` (which plans a drafter tree where the latency model predicts it faster than every chain), a row
-switched to plain decoding (`gam[0]` 0) drafts nothing and gets the full model's token from the same pass; the
+switched to plain decoding (`gam[0]` 0), or to the lookup alone (`lookup_only`, where it missed), drafts nothing
+and gets the full model's token from the same pass; the
 drafting rows' top-1 and top-k at the root are observed, the plain rows' drafter is shadowed as in chains
 (`_AutoPolicy.observe_tree`).
 """
@@ -39,7 +40,7 @@ from ..tree import (_count, _keep_path, _Layout, _lookup_first, _write_path, acc
 def eagle_tree_round(run, spec) -> None:
     """One drafter-tree round for every row of `run` (a `hispec.decoding.rounds._Run` whose levels are
     [eagle3, full]); see the module docstring."""
-    if run.levels[0].lookup and not _lookup_first(run):
+    if run.levels[0].lookup and not _lookup_first(run) or run.verify_plainly_if_none_drafts():
         return
     lay = getattr(run, "_tree_layout", None)
     if lay is None:
@@ -54,10 +55,10 @@ def eagle_tree_round(run, spec) -> None:
 
     seq = run.seq.clone()  # tokens [0, seq) are committed; seq - 1 has passed no range yet
     part = seq < run.limit  # rows that still decode
-    # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding: gam 0)
+    # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding or lookup only)
     depth_cap = (run.limit - seq).clamp(min=0, max=D)
     if run.policy is not None:
-        depth_cap = depth_cap * (run.gam[0] > 0)
+        depth_cap = depth_cap * run.drafting_rows()
     grow = depth_cap > 0
     run._advance(0, seq)  # the pending tokens' embeddings (range 0 is empty) into hid[1]
     # ---------------------------------------------------------------- drafting

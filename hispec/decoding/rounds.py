@@ -93,6 +93,9 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         self.gam = [torch.full_like(lens, lv.threshold) for lv in self.levels[:-1]]
         # an ngram level 0 has no more proposals, or (`ngram|EXIT`) its lookup proposed: verify them now
         self.exhausted = torch.zeros(B, dtype=torch.bool, device=dev)
+        # `ngram|EXIT` rows whose exit (or drafter) `auto` switched off: the lookup alone drafts for them, and where
+        # it misses they decode plainly that round (`ngram>full` per row, without a second hierarchy)
+        self.lookup_only = torch.zeros(B, dtype=torch.bool, device=dev)
 
     def _init_buffers(self, B: int, cap: int, cache):
         """The hidden states kept between ranges (`hid`, `fin`), the KV cache and the stateful heads' slots."""
@@ -274,7 +277,8 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
     def draft_step(self, active: torch.Tensor):
         """Level 0 proposes for the active rows that may still grow: one token (an exit, or the full model for
         `ar`, where it is committed), or a whole n-gram continuation of up to gam[0] tokens; `ngram|EXIT`: the
-        lookup's continuation (up to ngram.max_len) where it matches, else the exit's token."""
+        lookup's continuation (up to ngram.max_len) where it matches, else the exit's token (none for
+        `lookup_only` rows: they are verified with nothing gathered, i.e. decode one token plainly)."""
         t0 = timing.now(self.device)
         st = self.stats.levels[0]
         stop = self._stop_pos()
@@ -284,12 +288,29 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         else:
             if self.levels[0].lookup:  # `ngram|EXIT`: rows the lookup serves skip the exit and are verified next
                 grow = self._draft_lookup(grow, stop, st)
+                off = grow & self.lookup_only  # the lookup missed and the exit is off: plain this round
+                self.exhausted |= off
+                grow = grow & ~off
             if self.levels[0].kind == "eagle3":
                 self._draft_eagle(grow, st)
             else:
                 self._draft_exit(grow, st)
             self._pending += 1  # (one token a row at most)
         st.seconds += timing.now(self.device) - t0
+
+    def drafting_rows(self) -> torch.Tensor:
+        """Rows whose level-0 model (exit or drafter) drafts this round: level 0 on (`gam[0]` > 0) and, under a
+        lookup-first level 0, its model not switched off (`lookup_only`). Tree rounds cap the others' depth at 0."""
+        return (self.gam[0] > 0) & ~self.lookup_only
+
+    def verify_plainly_if_none_drafts(self) -> bool:
+        """At a tree round's start (under `auto`): where no row still decoding drafts this round (each plain, or
+        `lookup_only` with its lookup missed), one plain verification instead of the tree machinery, as a chain
+        round of plain rows (the full model's token for every row). Returns whether it ran."""
+        if self.policy is None or bool((self.drafting_rows() & (self.seq < self.limit)).any()):
+            return False
+        self.verify(self.K, torch.ones_like(self.seq, dtype=torch.bool))
+        return True
 
     def _draft_ngram(self, grow: torch.Tensor, stop: torch.Tensor, st: LevelStats):
         """An `ngram` level 0: the lookup's continuation, up to gam[0] tokens, for the rows `grow`."""

@@ -47,6 +47,7 @@ class GenerationStats:
     strategy: str = ""
     verification: str = "token"  # the sampling acceptance rule ("token" | "hsd"; greedy decoding uses neither)
     plain_row_rounds: int = 0  # auto: rounds in which a row decoded plainly (all its speculation switched off)
+    lookup_only_row_rounds: int = 0  # auto, lookup-first: rounds in which a row drafted by the n-gram lookup alone
     row_rounds: int = 0  # auto: rounds summed over rows
     guarded_rounds: int = 0  # auto: batch rounds `_PlainGuard` decoded plainly although the rule chose to speculate
 
@@ -121,7 +122,8 @@ class GenerationStats:
             "accepted_at_verify": self.accepted_at_verify, "proposed_to_verify": self.proposed_to_verify,
             "accepted_at_target": self.accepted_at_target, "proposed_to_target": self.proposed_to_target,
             "verify_acceptance": self.verify_acceptance, "target_acceptance": self.target_acceptance,
-            "plain_row_rounds": self.plain_row_rounds, "row_rounds": self.row_rounds,
+            "plain_row_rounds": self.plain_row_rounds, "lookup_only_row_rounds": self.lookup_only_row_rounds,
+            "row_rounds": self.row_rounds,
             "guarded_rounds": self.guarded_rounds,
         }
 

@@ -8,7 +8,7 @@ each job.
 - `items`: the same formats as plain items (no `datasets`; what `hispec-probe` reads), held-out splits by prompt;
 - `generate`: the one batched generator (`generate_rows`) and answering loop (`answer_batches`);
 - `answers`: self-distillation answers (`generate_responses`, resumable), token answers with their cache
-  (`answer_prompts`, `AnswerCache`) and `generation_dtype`;
+  (`answer_prompts`, `AnswerCache`), `generation_dtype` and `generating` (that, prepacked);
 - `self_prompts`: instructions the model writes itself (resumable, deterministic);
 - `features`: the frozen pass over many sequences (`frozen_batches`), the feature cache (exit hidden states + the
   final layer's top-k, resumable shards) and its in-memory form for scored positions (`scored_features`);

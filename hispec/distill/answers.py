@@ -25,6 +25,8 @@ batching loop (`hispec.distill.generate.answer_batches`); `AnswerCache` keeps th
 decoding is ~2x faster than fp32 on this CPU and standard on GPUs) while training keeps the backbone's dtype:
 `generation_dtype(model, dtype)` casts the parameters for the duration of a `with` block and then puts the very
 same original tensors back (bit-identical; peak memory = original + cast copy). Buffers are left as they are.
+`generating(model, dtype)` is that plus prepacked linears for the block (`hispec.packed.for_generation`): how every
+generation of the core (self-written prompts, answers) runs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from transformers import HfArgumentParser
 from hispec.distill.args import DataArguments, GenerationArguments, ModelArguments
 from hispec.distill.data import DataError, expand_path, load_examples, prompt_id, prompt_of, render_chat
 from hispec.distill.generate import answer_batches
+from hispec import packed
 from hispec.distill.items import Prepared, Sequence
 from hispec.io import dtype_name, parse_dtype
 from hispec.model import load_base_model, load_tokenizer
@@ -66,6 +69,14 @@ def generation_dtype(model, dtype):
     finally:
         for p, data in zip(params, saved):
             p.data = data
+
+
+@contextmanager
+def generating(model, dtype):
+    """How the core's generator runs the model: `generation_dtype(model, dtype)` with its linears prepacked for the
+    block (`hispec.packed.for_generation`: 1.3x on batches of 16, the same tokens; nothing changes outside)."""
+    with generation_dtype(model, dtype), packed.for_generation(model):
+        yield model
 
 
 def read_responses(out_dir: str | os.PathLike) -> dict[str, dict]:
@@ -119,7 +130,7 @@ def generate_responses(model, tokenizer, prompts: list[dict], out_dir, gen: Gene
     todo = [p for p in todo if len(prompt_ids[p["id"]]) <= gen.gen_max_prompt_tokens]
     sample = (gen.gen_temperature, gen.gen_top_p) if gen.gen_do_sample else None
     written = 0
-    with generation_dtype(model, gen.gen_dtype), \
+    with generating(model, gen.gen_dtype), \
             open_for_append(out_dir / f"part-rank{rank}.jsonl") as f:
         batches = answer_batches(
             model, [prompt_ids[p["id"]] for p in todo], batch_size=gen.gen_batch_size, pad_id=tokenizer.pad_token_id,
@@ -217,7 +228,7 @@ def answer_prompts(prepared: list[Prepared], model, tokenizer, *, max_new_tokens
     todo = [p for p in prepared if p.answer_needed and cache.get(p.prompt_ids, max_new_tokens) is None]
     todo_prompts = list({tuple(p.prompt_ids): p.prompt_ids for p in todo}.values())
     if todo_prompts:
-        with generation_dtype(model, gen_dtype):
+        with generating(model, gen_dtype):
             for idx, rows in answer_batches(model, todo_prompts, batch_size=batch_size, pad_id=pad_id_of(tokenizer),
                                             eos=eos_ids(tokenizer, model.generation_config),
                                             max_new_tokens=max_new_tokens, show_progress=show_progress):

@@ -46,7 +46,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-from hispec.distill.answers import generation_dtype, open_for_append
+from hispec.distill.answers import generating, open_for_append
 from hispec.distill.args import SelfPromptArguments
 from hispec.distill.data import expand_path, prompt_id, render_chat
 from hispec.distill.generate import generate_rows
@@ -381,7 +381,7 @@ def generate_self_prompts(model, tokenizer, n: int, out_dir, args, *, seed: int 
     bar = tqdm(total=n, initial=min(kept, n), desc="self-written prompts", disable=not show_progress)
     written, b, t0, tried = 0, 0, time.time(), 0
     try:
-        with generation_dtype(model, gen_dtype), open_for_append(out_dir / CANDIDATES) as f:
+        with generating(model, gen_dtype), open_for_append(out_dir / CANDIDATES) as f:
             while kept < n:
                 if b in batches:
                     b += 1

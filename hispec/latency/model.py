@@ -342,6 +342,21 @@ def _best_chain(cal: Calibration, levels: list[str], acceptance: dict | None, ma
     return t, gammas
 
 
+def lookup_alone_seconds(cal: Calibration, rate: float, match: float) -> float:
+    """Predicted seconds per token of the n-gram lookup alone under the full model (`ngram>full`, proposals of up to
+    the calibration's `ngram_max_len` tokens, as a lookup-first level's lookup is priced) at n-gram acceptance
+    `rate` and match rate `match`: what a lookup-first row pays with its exit switched off (`auto`). Rounded to
+    0.01 and memoised on the calibration, like `best_gammas`."""
+    rate, match = round(float(rate), 2), round(float(match), 2)
+    memo = cal._memo.setdefault("lookup_alone", {})
+    if (rate, match) not in memo:
+        if len(memo) > 4096:
+            memo.clear()
+        memo[rate, match] = time_per_token([NGRAM, FULL], [cal.ngram_max_len], cal, {pair_key(NGRAM, FULL): rate},
+                                           match)
+    return memo[rate, match]
+
+
 def best_gammas(levels, cal: Calibration, acceptance: dict | None = None, max_gamma: int = DEFAULT_MAX_GAMMA,
                 ngram_match: float | None = None, margin: float = 0.0) -> list[int]:
     """The best gammas for the fixed hierarchy `levels`, each in 0..max_gamma (0 = skip: the level above drafts
