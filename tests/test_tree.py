@@ -12,7 +12,7 @@ from test_decoding import (_chi2_pvalue, _exact_joint, _hf_greedy, _oracle, _rag
 from test_layer_head import _layer_model
 from tiny import FAMILIES, tiny_model
 
-from hispec import sampling, tree as tree_mod
+from hispec import dynamic_tree, sampling, tree as tree_mod
 from hispec.cache import KVCache
 from hispec.ngram import NgramConfig
 
@@ -202,6 +202,7 @@ def _spy_lookup_rounds(monkeypatch):
         return follow
 
     monkeypatch.setattr(tree_mod, "_lookup_first", spy)
+    monkeypatch.setattr(dynamic_tree, "_lookup_first", spy)  # (dynamic trees' round lives there)
     return rounds
 
 

@@ -39,7 +39,8 @@ from .. import timing
 from ..heads import ContextInputs
 from ..ngram import NgramConfig, propose_batch
 from ..sampling import greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
-from ..tree import tree_round
+from ..dynamic_tree import dynamic_round
+from ..tree import DynamicTreeSpec, tree_round
 from .eagle_tree import eagle_tree_round
 from .batching import _RowSet
 from .eagle import _EagleDrafting
@@ -528,7 +529,10 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         while alive:
             self.begin_round()
             if self.tree is not None and (self.policy is None or bool((self.gam[0] > 0).any())):
-                (eagle_tree_round if self.drafter is not None else tree_round)(self, self.tree)
+                if self.drafter is not None:
+                    eagle_tree_round(self, self.tree)
+                else:
+                    (dynamic_round if isinstance(self.tree, DynamicTreeSpec) else tree_round)(self, self.tree)
             else:  # a chain round (with trees: every row plain this round)
                 self.run_level(self.K, torch.ones_like(self.seq, dtype=torch.bool))
             alive = self.commit()
