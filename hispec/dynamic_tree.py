@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import timing
-from .tree import DynamicTreeSpec, _count, _deepest, _keep_path, _lookup_first, _write_path, _write_states
+from .tree import (DynamicTreeSpec, _count, _deepest, _keep_path, _lookup_first, _root, _write_path,
+                   _write_states)
 
 
 def _rows_gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -44,12 +45,7 @@ def dynamic_round(run, spec: DynamicTreeSpec):
     seq = run.seq.clone()
     depth_cap = (run.limit - seq).clamp(min=0, max=D) * run.drafting_rows()
 
-    out, start, hf = run._advance(0, seq)
-    if out is None:
-        raise RuntimeError("tree round: the newest committed token has already passed the draft range")
-    last = (seq - 1 - start).clamp(min=0)
-    logits = run._logits(0, out[rows, last][:, None], None if hf is None else hf[rows, last][:, None],
-                         pos=(seq - 1)[:, None])
+    out, logits = _root(run, seq, rows)
     ntok = torch.zeros(B, M, dtype=torch.long, device=dev)
     nvalid = torch.zeros(B, M, dtype=torch.bool, device=dev)
     score = torch.full((B, M), float("-inf"), dtype=torch.float64, device=dev)

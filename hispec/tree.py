@@ -192,12 +192,7 @@ def tree_round(run, spec):
     # per row: drafts that can still be committed (none for a row `auto` switched to plain decoding or lookup only)
     depth_cap = (run.limit - seq).clamp(min=0, max=D) * run.drafting_rows()
     # ---------------------------------------------------------------- drafting
-    out, start, hf = run._advance(0, seq)
-    if out is None:
-        raise RuntimeError("tree round: the newest committed token has already passed the draft range")
-    last = (seq - 1 - start).clamp(min=0)
-    logits = run._logits(0, out[rows, last][:, None], None if hf is None else hf[rows, last][:, None],
-                         pos=(seq - 1)[:, None])  # [B, 1, V]
+    out, logits = _root(run, seq, rows)  # [B, 1, V]
     ntok = torch.zeros(B, N, dtype=torch.long, device=dev)
     nvalid = torch.zeros(B, N, dtype=torch.bool, device=dev)
     h_exit = torch.zeros(B, N, H, dtype=out.dtype, device=dev)  # range 0's output per node
@@ -274,6 +269,17 @@ def tree_round(run, spec):
     _write_states(run, seq, keep, h_exit, pidx, o, P, pidx, pvalid, ppos)
     _keep_path(run, cache, head, (a0, a1, L), T0, pidx, pidx, keep, newpos, has_new)
     _count(run, a, depth_cap, B, t1)
+
+
+def _root(run, seq, rows):
+    """Range 0 over every row's pending token (its newest committed one) -> (range 0's output, the exit's logits at
+    that position `[B, 1, V]`: the root's children), the start of every tree round (static and dynamic)."""
+    out, start, hf = run._advance(0, seq)
+    if out is None:
+        raise RuntimeError("tree round: the newest committed token has already passed the draft range")
+    last = (seq - 1 - start).clamp(min=0)
+    return out, run._logits(0, out[rows, last][:, None], None if hf is None else hf[rows, last][:, None],
+                            pos=(seq - 1)[:, None])
 
 
 def verify_tree(run, lay: _Layout, seq, node_states, nvalid, capture: dict | None = None):
