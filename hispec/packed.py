@@ -169,20 +169,22 @@ def for_generation(module: nn.Module):
     """Within this block `module`'s linears are packed; afterwards the very same original modules are back (training
     and the feature cache see the stock model). The distillation core's generator uses it: transformers' batched
     `generate` over 16 rows of Qwen2.5-Coder-1.5B in bf16 went from 20.5 to 27.0 tokens/s (1.32x) with the same tokens
-    (one thread, 2-core AMD EPYC Zen 4; 32 rows: 1.09x, where the products are compute-bound either way). Does
+    (one thread, 2-core AMD EPYC Zen 4; 32 rows: 1.09x, where the products are compute-bound either way); the sums
+    run in another order (see Exactness above), so a greedy or sampled token can differ where two logits are within
+    ~1e-4: generated data is the model's either way, but not bit-reproducible across packed / stock kernels. Does
     nothing where packing would not apply (`wanted(None, ...)`: another device or dtype, no oneDNN) or where the
     copies would not fit in `MEMORY_SHARE` of the available memory. Yields how many linears it packed."""
     params = list(module.parameters())
     swapped = []
-    if params and wanted(None, params[0].device, params[0].dtype) and params[0].device.type == "cpu":
-        free = available_memory()
-        if free is None or packed_bytes(module) <= MEMORY_SHARE * free:
-            for parent in list(module.modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear and child.weight.dtype in PACK_DTYPES:
-                        swapped.append((parent, name, child))
-                        setattr(parent, name, PackedLinear.wrap(child))
-    try:
+    try:  # (a swap interrupted half-way is undone too)
+        if params and wanted(None, params[0].device, params[0].dtype) and params[0].device.type == "cpu":
+            free = available_memory()
+            if free is None or packed_bytes(module) <= MEMORY_SHARE * free:
+                for parent in list(module.modules()):
+                    for name, child in list(parent.named_children()):
+                        if type(child) is nn.Linear and child.weight.dtype in PACK_DTYPES:
+                            swapped.append((parent, name, child))
+                            setattr(parent, name, PackedLinear.wrap(child))
         yield len(swapped)
     finally:
         for parent, name, child in reversed(swapped):

@@ -23,7 +23,8 @@ still produce, deeper nodes are invalid slots for it):
 Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): every row tries the n-gram lookup first; rows it serves
 are verified as a chain, then every row still decoding drafts the tree (`_lookup_first`). Under `auto` a row whose
 `gam[0]` is 0 decodes plainly (no lookup, no nodes; the full model's token from the same pass), a `lookup_only`
-row tries the lookup but drafts no tree where it misses, and the policy observes each round (`observe_tree`). The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`).
+row tries the lookup but drafts no tree where it misses, and the policy observes each round (`observe_tree`).
+The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`); dynamic trees: `hispec.dynamic_tree`.
 
 Masks. Attention masks come from each slot's (valid, position) as everywhere in hispec; a tree pass adds an
 explicit `allow` mask (`DecoderAdapter.run_layers(allow=...)`): among this round's tree slots a node sees only
@@ -380,7 +381,8 @@ def accept_tree(run, spec: TreeSpec, lay: _Layout, flog, ntok, nvalid, qrows):
 def _lookup_first(run) -> bool:
     """The lookup-first exit (`ngram|EXIT`) with trees: every row first tries the n-gram lookup (up to
     `ngram.max_len` tokens, as in a chain round); rows it serves are verified by the full model as a chain
-    (`_Run.verify`), the others draft the exit's tree. Returns whether a tree round follows: none when every row was
+    (`_Run.verify`), the others draft the exit's tree (`lookup_only` rows: nothing, they decode plainly). Returns
+    whether a tree round follows: none when every row was
     served (or none is left). In a batch where only some rows were served, those rows are committed first (so a
     row the chain finished leaves before the tree) and then take part in the tree round as well: every row still
     decoding has exactly its newest committed token pending then, which is what a tree round starts from.

@@ -461,18 +461,29 @@ def test_a_calibration_from_another_machine_or_model_is_refused_clearly(monkeypa
 
 
 # ---------------------------------------------------------------------------------------------- the lookup alone
-def _force_lookup_alone(monkeypatch, pick):
-    """After auto's rule, rows whose original index satisfies `pick` draft by the lookup alone (exit / drafter off)."""
-    choose = decoding._AutoPolicy.choose
+def _force_lookup_alone(monkeypatch, pick) -> dict:
+    """After auto's rule, rows whose original index satisfies `pick` draft by the lookup alone (exit / drafter off).
+    Returns counters: "forced" row rounds, and "plain_tree" tree rounds replaced by one plain verification."""
+    from hispec.decoding.rounds import _Run
+
+    choose, plain_if_idle = decoding._AutoPolicy.choose, _Run.verify_plainly_if_none_drafts
+    seen = {"forced": 0, "plain_tree": 0}
 
     def forced(self, run):
         choose(self, run)
         rows = torch.tensor([bool(pick(int(r))) for r in run.orig.tolist()], device=run.seq.device)
         run.gam[0] = torch.where(rows, torch.clamp(run.gam[0], min=1), run.gam[0])
-        run.stats.lookup_only_row_rounds += int((rows & ~run.lookup_only).sum())
         run.lookup_only = run.lookup_only | rows
+        seen["forced"] += int(rows.sum())
+
+    def spy(run):
+        ran = plain_if_idle(run)
+        seen["plain_tree"] += ran
+        return ran
 
     monkeypatch.setattr(decoding._AutoPolicy, "choose", forced)
+    monkeypatch.setattr(_Run, "verify_plainly_if_none_drafts", spy)
+    return seen
 
 
 def _lookup_priors(model, tree: bool, prompts=([5, 6, 7, 8, 9, 5, 6],)):
@@ -496,13 +507,15 @@ def test_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeypatch, fa
     ids, am = _ragged(4, 9)
     ref = _hf_greedy(model.base, ids, am, 24)
     for pick in (lambda r: r % 2, lambda r: True):
-        _force_lookup_alone(monkeypatch, pick)
+        seen = _force_lookup_alone(monkeypatch, pick)
         out = model.generate(ids, am, max_new_tokens=24, strategy="auto")
         assert torch.equal(out.sequences, ref)
         assert out.stats.strategy.startswith("auto:ngram|L2>full" + ("[tree" if tree else ""))
-        assert out.stats.lookup_only_row_rounds > 0
+        assert seen["forced"] > 0
     lv0 = out.stats.levels[0]
     assert 0 < lv0.lookups == lv0.proposals  # (every row alone: no exit proposal, no tree drafted)
+    if tree:  # ... and where the lookup missed every row, one plain verification instead of a tree round
+        assert seen["plain_tree"] > 0
 
 
 def test_the_rule_drafts_by_the_lookup_alone_where_the_exit_loses_and_the_lookup_pays():
@@ -574,12 +587,12 @@ def test_a_row_drafting_by_the_lookup_alone_measures_its_exit_in_the_shadow_and_
 def test_rows_drafting_by_the_lookup_alone_keep_the_exact_distribution(monkeypatch, warp, tree):
     model = _tiny_vocab_model()
     _lookup_priors(model, tree, prompts=([1, 3, 2],))
-    _force_lookup_alone(monkeypatch, lambda r: r % 2)  # half the rows by the lookup alone, half as auto chose
+    seen = _force_lookup_alone(monkeypatch, lambda r: r % 2)  # half the rows by the lookup alone, half as auto chose
     prompt, n = [1, 3, 2, 1, 3], 3
     outcomes, probs = _exact_joint(model, prompt, n, warp)
     out = model.generate(torch.tensor([prompt] * 6000), max_new_tokens=n, strategy="auto", do_sample=True,
                          generator=torch.Generator().manual_seed(3), **warp)
     s = out.stats
     assert s.strategy.startswith("auto:ngram|L1>full" + ("[tree" if tree else "")), s.strategy
-    assert s.lookup_only_row_rounds > 0 and s.levels[0].lookups > 0
+    assert seen["forced"] > 0 and s.levels[0].lookups > 0 and s.levels[0].proposals > s.levels[0].lookups
     assert _chi2_pvalue([tuple(t) for t in out.new_tokens], outcomes, probs) > 1e-4

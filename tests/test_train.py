@@ -469,6 +469,10 @@ def test_generating_packs_the_linears_for_the_block_and_puts_the_same_modules_ba
         torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)  # the same product, another order
     assert dict(model.named_modules()) == before  # the very same module objects, nothing packed left behind
     assert not any(isinstance(m, packed.PackedLinear) for m in model.modules())
+    with pytest.raises(KeyboardInterrupt):  # a block that dies puts the modules back too
+        with packed.for_generation(model):
+            raise KeyboardInterrupt
+    assert dict(model.named_modules()) == before
     monkeypatch.setattr(packed, "available_memory", lambda: 1)  # the copies would not fit: stock kernels
     with packed.for_generation(model) as n:
         assert n == 0 and not any(isinstance(m, packed.PackedLinear) for m in model.modules())

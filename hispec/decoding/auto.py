@@ -2,10 +2,12 @@
 (`hispec.latency`) under the row's own acceptance estimates, measured online.
 
 Contract (the `policy` protocol of `hispec.decoding.rounds._Run`): `choose(run)` before every round writes the
-per-row gammas `run.gam` (0 below the lowest level a row uses; all 0: plain decoding); `observe(run, k, ...)` is
+per-row gammas `run.gam` (0 below the lowest level a row uses; all 0: plain decoding) and, under a lookup-first
+level 0, `run.lookup_only` (the lookup alone); `observe(run, k, ...)` is
 called by every verification, `observe_tree(...)` / `lookup_missed(...)` by tree rounds (`hispec.tree`), all before
 the state moves on; `keep_rows` / `extend` follow the run's rows (continuous batching); `guard` is the measured
-floor (`hispec.decoding.guard`). It only changes gammas, from tokens already drawn: output is unchanged.
+floor (`hispec.decoding.guard`). It only changes what drafts (gammas, the lookup alone), from tokens already drawn:
+output is unchanged.
 """
 
 from __future__ import annotations
@@ -241,7 +243,8 @@ class _AutoPolicy:
 
     # ---------------------------------------------------------------- choice
     def _choose_tree(self, run: _Run, cal, alphas, lookup, match):
-        """Per row: the tree, or plain decoding (gam 0), whichever the latency model predicts faster under the row's
+        """Per row: the tree, plain decoding (gam 0) or, under a lookup-first exit, the lookup alone (gam 1,
+        `lookup_only`), whichever the latency model predicts fastest under the row's
         own estimates (greedy: its top-k rates at the tree's widths, counted by `observe_tree`; sampling, where only
         the top-1 acceptance is observed exactly: the calibration's top-k rates scaled to the row's, by
         `latency.scaled_topk`; for a lookup-first exit also the n-gram's rate and match rate), with the same
@@ -267,7 +270,7 @@ class _AutoPolicy:
             gam[b] = 1 if on or only[b] else 0
             self.lowest[b] = 0 if gam[b] else 1
         run.gam = [torch.tensor(gam, dtype=run.gam[0].dtype, device=run.gam[0].device)]
-        run.lookup_only = torch.tensor(only, device=run.gam[0].device)
+        run.lookup_only = torch.tensor(only, dtype=torch.bool, device=run.gam[0].device)
         return sum(only)
 
     def _choose_chain(self, run: _Run, cal, alphas, lookup, match):
@@ -294,7 +297,7 @@ class _AutoPolicy:
         like = run.gam[0]
         run.gam = list(torch.tensor(gam, dtype=like.dtype, device=like.device).unbind(0))  # one copy to the device
         if self.lookup:
-            run.lookup_only = torch.tensor(only, device=like.device)
+            run.lookup_only = torch.tensor(only, dtype=torch.bool, device=like.device)
         return sum(only)
 
     def _lookup_alone(self, cal, now: float, below: float, rate: float, match: float) -> bool:
@@ -305,7 +308,8 @@ class _AutoPolicy:
         return t < now and t < below
 
     def choose(self, run: _Run):
-        """Before a round: every row's gammas `run.gam`, from its estimates (a tree's rows: the tree or plain)."""
+        """Before a round: every row's gammas `run.gam` (and `run.lookup_only`), from its estimates (a tree's rows: the
+        tree, the lookup alone under a lookup-first exit, or plain)."""
         alphas = self.acc / (self.acc + self.rej).clamp(min=1e-9)  # [B, K]: latency.acceptance_from_counts
         lookup = self.lacc / (self.lacc + self.lrej).clamp(min=1e-9)
         match = self.hit / (self.hit + self.miss).clamp(min=1e-9)

@@ -63,15 +63,16 @@ def generate(
     top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one
     draft exit under the full model (`self-spec`, `draft>full`, `L4>full`), the lookup-first exit
     (`self-spec-lookup`: the n-gram lookup first, the tree where it misses), or the EAGLE-3 drafter (`eagle`,
-    `eagle-lookup`; static trees, `hispec.decoding.eagle_tree`); `gamma` is then unused. Default None: chains (`auto` may still plan a tree itself,
-    `_auto_plan`).
+    `eagle-lookup`; static trees, `hispec.decoding.eagle_tree`); `gamma` is then unused. Default None: chains
+    (`auto` may still plan a tree itself, `_auto_plan`).
     `verification`: the acceptance rule when sampling, at every level of the hierarchy: `"token"` (speculative
     sampling, token by token) or `"hsd"` (sequence-level, `hispec.sampling.hsd_accept`: the same output
     distribution, at least as many accepted tokens); default: the checkpoint's `decoding.verification`, else
     "token". Greedy decoding (`do_sample=False`) matches exact prefixes and is identical under both.
 
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
-    `keep_rows(idx)` that sets the per-row gammas `run.gam` between rounds (see `_AutoPolicy`, which `auto` uses).
+    `keep_rows(idx)` that sets the per-row gammas `run.gam` (and, under a lookup-first level 0, `run.lookup_only`)
+    between rounds (see `_AutoPolicy`, which `auto` uses).
     """
     explicit_verification = verification
     eagle_gamma = gamma if gamma is not None else getattr(getattr(model, "drafter", None), "default_gamma", None)

@@ -29,7 +29,8 @@ class _PlainGuard:
     Each round's wall time from `begin` (after the rule chose) to `end` (after its last commit) and the tokens it
     committed go to the arm it ran, as sums decayed over the arm's own rounds (each new round of an arm weighs its
     earlier ones by DECAY: about its last 1 / (1 - DECAY) rounds count, so conditions that changed, a longer cache,
-    another batch, fade out); an arm's cost is seconds / tokens. While both arms are measured the round runs the
+    another batch, fade out of the arm in use; the other arm, measured once per exploration, takes several
+    explorations to move); an arm's cost is seconds / tokens. While both arms are measured the round runs the
     cheaper one, speculation while it costs at most MARGIN more per token, except that the other arm is measured
     again (one round) once EXPLORE times its last round's seconds have gone to the one in use; while `plain` is not
     yet measured, the round after WARM speculative rounds is plain. So exploring takes at most ~1/EXPLORE of the

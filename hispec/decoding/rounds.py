@@ -15,11 +15,14 @@ Per row (all tensors are `[B, ...]`; rows keep their own counts):
   proposal). 0 means the row does not use level k nor anything below it: level k+1 produces its tokens itself (a
   verification with nothing to verify yields one token, like a plain decoding step). So one batch can hold rows
   that speculate with different depths and lengths, and rows that decode plainly.
+- `lookup_only[b]` (a lookup-first level 0, `ngram|EXIT`): the row drafts by the n-gram lookup alone, its exit or
+  drafter off; where the lookup misses it gathers nothing (one plain token from the verification).
 
 A round at level k, over the rows `active` for it: while some active row has gathered fewer than `gam[k-1]` tokens
 (and is not at its length limit, and an `ngram` level below it still has proposals), run a round at level k-1 for
 those rows only; then verify the active rows. The prompt is prefilled through all layers at once and the full
-model picks the first new token. A `policy` (`hispec.decoding.auto`) may set `gam` per row before every round;
+model picks the first new token. A `policy` (`hispec.decoding.auto`) may set `gam` and `lookup_only` per row before
+every round;
 rows leave and join between rounds (`hispec.decoding.batching`).
 
 Lossless: greedy verification keeps the longest prefix equal to the level's argmax; sampling uses speculative

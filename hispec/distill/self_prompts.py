@@ -16,8 +16,9 @@ Contract:
   of `self_prompt_batch_size` until `n` prompts pass the filters, appending every candidate (kept or not, with
   the reason) to `out_dir/candidates.jsonl`; a batch is written in one go and flushed, so a killed run resumes:
   complete batches are skipped, a torn one is redone. Batch `b` draws its cues from `Random(f"{seed}-{b}")` and
-  samples with `torch.manual_seed(seed * 1_000_003 + b)`, so the result depends on (model, seed, settings) only,
-  not on interruptions. `out_dir/settings.json` records what batches depend on; resuming with other settings
+  samples with `torch.manual_seed(seed * 1_000_003 + b)`, so the result depends on (model, seed, settings) and the
+  kernels only (generation runs prepacked where it can, `hispec.distill.answers.generating`: a draw can differ from
+  stock kernels' where two logits are within ~1e-4), not on interruptions. `out_dir/settings.json` records what batches depend on; resuming with other settings
   raises `SelfPromptError` (delete the folder or choose another), and so does an acceptance rate below ~1 in 10
   (it stops after `8 + 10 * ceil(n / batch)` batches). Returns the number of new candidates.
 - `read_self_prompts(out_dir, n=None)` -> the first `n` accepted prompts `[{"id", "messages": [{"role": "user",
