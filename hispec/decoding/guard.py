@@ -39,9 +39,9 @@ class _PlainGuard:
     Why per arm and why a margin: a speculative round's yield varies widely (a lookup copies 8 tokens or none; a
     tree round commits 1 token or 5), plain rounds cost the same every time, and only the arm in use is measured
     often. Decayed per round of either arm, a single exploring round outweighed every speculative round before it,
-    and with no margin noise alone flipped batches to plain: on the demo checkpoint (SmolLM2 fp32, one thread,
-    10 Spec-Bench prompts) `auto` ran 1.08x of `ar` with the guard and 1.15x without it, and one prompt ran 3 of 4
-    rounds plain where speculating throughout was 1.35x faster. Per arm with the margin: 1.20x (1.22x unguarded).
+    and with no margin noise alone flipped batches to plain: on the demo checkpoint (SmolLM2 fp32, one thread) one
+    Spec-Bench prompt ran 3 of 4 rounds plain where speculating throughout was 1.35x faster; over 10 prompts
+    (hispec-bench, two runs) `auto` went from 1.05-1.07x to 1.10x of `ar` with this and the lookup-alone choice.
 
     Only which rows speculate changes (a plain round is the rule's own all-plain choice), never how tokens are
     verified: output is unchanged. `clock` is replaceable (tests use a cost model instead of wall time)."""
