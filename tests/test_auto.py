@@ -504,17 +504,22 @@ def test_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeypatch, fa
     decoding's, and with every row so the exit drafts nothing (every proposal is the lookup's)."""
     model = _wrap(tiny_model(family), head_type="linear", draft=2, verify=4)
     _lookup_priors(model, tree)
+    _greedy_with_the_lookup_alone(monkeypatch, model, "auto:ngram|L2>full" + ("[tree" if tree else ""), tree)
+
+
+def _greedy_with_the_lookup_alone(monkeypatch, model, want: str, tree: bool):
+    """Greedy `auto` with half the rows, then every row, forced to the lookup alone: plain decoding's output; with
+    every row so, every proposal is the lookup's and (trees) idle tree rounds are one plain verification."""
     ids, am = _ragged(4, 9)
     ref = _hf_greedy(model.base, ids, am, 24)
     for pick in (lambda r: r % 2, lambda r: True):
         seen = _force_lookup_alone(monkeypatch, pick)
         out = model.generate(ids, am, max_new_tokens=24, strategy="auto")
         assert torch.equal(out.sequences, ref)
-        assert out.stats.strategy.startswith("auto:ngram|L2>full" + ("[tree" if tree else ""))
-        assert seen["forced"] > 0
+        assert out.stats.strategy.startswith(want) and seen["forced"] > 0
     lv0 = out.stats.levels[0]
-    assert 0 < lv0.lookups == lv0.proposals  # (every row alone: no exit proposal, no tree drafted)
-    if tree:  # ... and where the lookup missed every row, one plain verification instead of a tree round
+    assert 0 < lv0.lookups == lv0.proposals  # (every row alone: no exit / drafter proposal, no tree drafted)
+    if tree:
         assert seen["plain_tree"] > 0
 
 

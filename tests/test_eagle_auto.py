@@ -302,7 +302,7 @@ def test_a_switched_off_drafter_is_measured_in_the_shadow_and_switched_back_on(m
 def test_drafter_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeypatch, tree):
     """`ngram|eagle3` under auto with some rows (then every row) drafting by the lookup alone: output is plain
     decoding's; with every row so the drafter drafts nothing (every proposal is the lookup's)."""
-    from test_auto import _force_lookup_alone
+    from test_auto import _greedy_with_the_lookup_alone
     from test_eagle_tree import _tree_priors
 
     model = _with_drafter("llama", steps=60)
@@ -310,16 +310,7 @@ def test_drafter_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeyp
         _tree_priors(model, ngram=0.9, match=0.6)
     else:
         _drafter_priors(model, ngram=0.9, match=0.6)
-    ids, am = _ragged(4, 9)
-    ref = _hf_greedy(model.base, ids, am, 24)
-    for pick in (lambda r: r % 2, lambda r: True):
-        seen = _force_lookup_alone(monkeypatch, pick)
-        out = model.generate(ids, am, max_new_tokens=24, strategy="auto")
-        assert torch.equal(out.sequences, ref)
-        assert out.stats.strategy.startswith("auto:ngram|eagle3>full" + ("[tree" if tree else ""))
-    lv0 = out.stats.levels[0]
-    assert 0 < lv0.lookups == lv0.proposals and seen["forced"] > 0
-    assert seen["plain_tree"] > 0 or not tree
+    _greedy_with_the_lookup_alone(monkeypatch, model, "auto:ngram|eagle3>full" + ("[tree" if tree else ""), tree)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
