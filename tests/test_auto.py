@@ -4,6 +4,7 @@ Whatever it chooses, output is plain decoding's: greedy identical, sampling in d
 from __future__ import annotations
 
 import dataclasses
+import types
 import warnings
 
 import pytest
@@ -186,6 +187,44 @@ def test_a_full_batch_decodes_plainly_where_its_pass_is_compute_bound(tree):
         assert alone.sequences[0, -24:].tolist() == ref[b, -24:].tolist()
         assert alone.stats.plain_row_rounds < alone.stats.row_rounds / 2, (b, alone.stats.strategy)
         assert alone.stats.tokens_per_target_pass > 1.5
+
+
+def _lookup_batch_policy(rows, match=0.3, rate=0.9):
+    """`auto`'s policy for `rows` rows under `ngram>full` priors (the lookup's rate `rate`, its match rate
+    `match`) on a machine whose passes are flat up to 8 positions, then compute-bound."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
+    cal = _calibrated(model, lambda k: rate if k == "ngram>full" else 0.0, match, realistic=True)
+    shape = {T: max(1.0, T / 8) for T in cal.costs["layer"]}
+    cal = dataclasses.replace(cal, costs={**cal.costs, "layer": {T: 1e-3 * c for T, c in shape.items()},
+                                          "final": {T: 2e-3 * c for T, c in shape.items()}})
+    levels, tree, policy = decoding.generation._auto_policy(model, cal, rows, "cpu", gamma=1, window=1,
+                                                            ngram=NgramConfig(), max_new_tokens=64, trees=False)
+    assert [lv.name for lv in levels] == ["ngram", "full"] and tree is None
+    run = types.SimpleNamespace(gam=[torch.zeros(rows, dtype=torch.long)], lookup_only=torch.zeros(rows, dtype=bool),
+                                stats=decoding.GenerationStats())
+    return policy, run
+
+
+def test_a_batch_whose_rows_each_pay_alone_decodes_plainly_where_its_widest_pass_does_not(monkeypatch):
+    """Four rows whose lookups match 30% of the time and are then right 90% of the time: priced per row at its
+    share of a batch pass as wide as its own proposal (`Calibration.at_batch`) each row pays, but one pass verifies
+    every row at the widest proposal, paid by the batch whenever any row's lookup matched (76% of rounds), and
+    that round costs more per token than a plain one: `auto` keeps the batch plain (`_batch_pays`). The per-row rule
+    alone speculates; a row alone still does."""
+    policy, run = _lookup_batch_policy(4)
+    policy.choose(run)
+    assert all(int(g) == 0 for g in run.gam[0]) and run.stats.plain_row_rounds == 4
+    monkeypatch.setattr(decoding._AutoPolicy, "_batch_pays", lambda self, *a: True)  # the per-row rule alone
+    policy, run = _lookup_batch_policy(4)
+    policy.choose(run)
+    assert all(int(g) > 0 for g in run.gam[0])
+    monkeypatch.undo()
+    policy, run = _lookup_batch_policy(1)
+    policy.choose(run)
+    assert int(run.gam[0][0]) > 0
+    policy, run = _lookup_batch_policy(4, match=0.9)  # lookups that nearly always match: the wide pass pays
+    policy.choose(run)
+    assert all(int(g) > 0 for g in run.gam[0])
 
 
 def _cost_clock(monkeypatch, model, cost):

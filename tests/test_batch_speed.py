@@ -28,11 +28,13 @@ def test_batch_speed_times_every_strategy_per_batch_size_and_auto_goes_plain_in_
     assert tool.main(["--model", str(folder), "--prompts", str(prompts), "--num-prompts", "4", "--batch-sizes",
                       "1,4", "--max-new-tokens", "12", "--dtype", "fp32", "--no-pack"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].split()[:2] == ["batch", "strategy"]
+    assert out[1].split()[:2] == ["batch", "strategy"]
     res = {(r["batch_size"], r["strategy"]): r for r in json.loads(out[-1])["results"]}
     assert set(res) == {(b, s) for b in (1, 4) for s in tool.STRATEGIES}
     for r in res.values():
         assert r["rows"] == 4 and r["new_tokens"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["prefill_seconds"] < r["seconds"]  # hf's from its first logits call, hispec's from its stats
+        assert r["decode_tokens_per_s"] > 0
         assert r["identical_to_ar"] == 4  # fp32: every strategy decodes exactly what plain decoding does
     assert res[(1, "auto")]["plain_row_share"] < 0.5  # alone, the always-right drafts pay
     assert res[(4, "auto")]["plain_row_share"] == pytest.approx(1.0)  # in the batch they do not: plain

@@ -9,9 +9,13 @@
 - `auto`: the checkpoint's calibrated policy, which prices every row at its batch's pass costs
   (`Calibration.at_batch`): a compute-bound batch pays for every extra verified position, so speculation that wins
   alone can lose there, and `auto` then decodes plainly;
-- `auto-batch-blind`: the same policy priced as if every row were alone (the rule before `at_batch`), to show
-  what batch-aware pricing changes.
-Strategies run interleaved per batch (rotated order), so machine drift hits all alike. Every output is compared
+- `auto-batch-blind`: the same policy priced as if every row were alone (the rule before `at_batch` and the
+  batch's round, `_AutoPolicy._batch_pays`), to show what batch-aware pricing changes.
+Strategies run interleaved per batch (rotated order), so machine drift hits all alike. Two speeds per row: the
+whole call (prefill included: what a user waits for) and decoding alone (new tokens after each row's first, over
+the seconds after the prefill: hispec's `GenerationStats.prefill_seconds`; for `hf` the time of its first logits
+call, which follows its prefill). Long padded prompts make the whole-call figure at large batches mostly prefill,
+where the strategies do the same work; the decode-only figure is where they differ. Every output is compared
 with `ar`'s on the same batch (fp32: identical token for token). Needs a calibrated checkpoint (`hispec-bench
 --model CK --calibrate` or `hispec-export ... --calibrate`). Prints a table and ends with one JSON line.
 """
@@ -32,15 +36,17 @@ STRATEGIES = ("hf", "ar", "auto", "auto-batch-blind")
 
 @contextlib.contextmanager
 def batch_blind():
-    """Price rows as if alone (`Calibration.at_batch` as the identity), for the `auto-batch-blind` comparison."""
-    from hispec import latency
+    """Price rows as if alone (`Calibration.at_batch` as the identity, no pricing of the batch's round:
+    `_AutoPolicy._batch_pays`), for the `auto-batch-blind` comparison."""
+    from hispec import decoding, latency
 
-    at_batch = latency.Calibration.at_batch
+    at_batch, pays = latency.Calibration.at_batch, decoding._AutoPolicy._batch_pays
     latency.Calibration.at_batch = lambda self, rows: self
+    decoding._AutoPolicy._batch_pays = lambda self, *a: True
     try:
         yield
     finally:
-        latency.Calibration.at_batch = at_batch
+        latency.Calibration.at_batch, decoding._AutoPolicy._batch_pays = at_batch, pays
 
 
 def main(argv=None) -> int:
@@ -66,6 +72,7 @@ def main(argv=None) -> int:
 
     import torch
     from tqdm.auto import tqdm
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     import hispec
     from hispec import packed, timing
@@ -84,18 +91,30 @@ def main(argv=None) -> int:
     pad = pad_id_of(tok)
 
     def run(strategy, ids, mask):  # (timed once the device's queued work is done: hispec.timing)
+        """(seconds, prefill seconds, new tokens per row, GenerationStats or None) of one batch."""
         t0 = timing.now(model.device)
         if strategy == "hf":
+            first = []  # when transformers first scores the next token: its prefill is done
+
+            class Mark(LogitsProcessor):
+                def __call__(self, input_ids, scores):
+                    if not first:
+                        first.append(timing.now(model.device))
+                    return scores
+
             with torch.no_grad(), packed.stock():
                 out = model.base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                                          do_sample=False, pad_token_id=pad)
+                                          do_sample=False, pad_token_id=pad,
+                                          logits_processor=LogitsProcessorList([Mark()]))
             rows, stats = [cut_at_eos(r[ids.shape[1]:].tolist(), eos)[0] for r in out], None
+            prefill = first[0] - t0
         else:
             with batch_blind() if strategy == "auto-batch-blind" else contextlib.nullcontext():
                 out = model.generate(ids, mask, max_new_tokens=args.max_new_tokens,
                                      strategy="auto" if strategy.startswith("auto") else strategy)
             rows, stats = [r.tolist() if hasattr(r, "tolist") else list(r) for r in out.new_tokens], out.stats
-        return timing.now(model.device) - t0, rows, stats
+            prefill = stats.prefill_seconds
+        return timing.now(model.device) - t0, prefill, rows, stats
 
     with torch.no_grad():  # warm-up: one short batch per strategy
         ids, mask = (t.to(model.device) for t in encode_prompts(tok, texts[:1]))
@@ -104,18 +123,20 @@ def main(argv=None) -> int:
     results = []
     bar = tqdm(total=sum(args.num_prompts // b for b in sizes) * len(strategies), desc="batches", file=sys.stderr)
     for B in sizes:
-        acc = {s: {"seconds": 0.0, "tokens": 0, "identical": 0, "rows": 0, "row_rounds": 0, "plain": 0, "plan": None}
-               for s in strategies}
+        acc = {s: {"seconds": 0.0, "prefill": 0.0, "tokens": 0, "decode_tokens": 0, "identical": 0, "rows": 0,
+                   "row_rounds": 0, "plain": 0, "plan": None} for s in strategies}
         for k, i in enumerate(range(0, args.num_prompts, B)):
             ids, mask = (t.to(model.device) for t in encode_prompts(tok, texts[i: i + B]))
             order = _rotated(strategies, k)
             outs = {}
             for s in order:
-                secs, rows, stats = run(s, ids, mask)
+                secs, prefill, rows, stats = run(s, ids, mask)
                 outs[s] = rows
                 a = acc[s]
                 a["seconds"] += secs
+                a["prefill"] += prefill
                 a["tokens"] += sum(len(r) for r in rows)
+                a["decode_tokens"] += sum(max(len(r) - 1, 0) for r in rows)  # each row's first is the prefill's
                 if stats is not None:
                     a["row_rounds"] += stats.row_rounds
                     a["plain"] += stats.plain_row_rounds
@@ -128,8 +149,11 @@ def main(argv=None) -> int:
                     acc[s]["identical"] += sum(x == y for x, y in zip(outs[s], ref))
         for s in strategies:
             a = acc[s]
+            decode_s = a["seconds"] - a["prefill"]
             results.append({"batch_size": B, "strategy": s, "tokens_per_s": a["tokens"] / a["seconds"],
-                            "seconds": a["seconds"], "new_tokens": a["tokens"], "rows": a["rows"],
+                            "decode_tokens_per_s": a["decode_tokens"] / decode_s if decode_s > 0 else None,
+                            "seconds": a["seconds"], "prefill_seconds": a["prefill"], "new_tokens": a["tokens"],
+                            "rows": a["rows"],
                             "identical_to_ar": a["identical"] if "ar" in strategies else None,
                             "plain_row_share": a["plain"] / a["row_rounds"] if a["row_rounds"] else None,
                             "plan": a["plan"]})
@@ -137,15 +161,26 @@ def main(argv=None) -> int:
     by = {(r["batch_size"], r["strategy"]): r for r in results}
     for r in results:
         for base in ("ar", "hf"):
-            if (r["batch_size"], base) in by:
-                r[f"vs_{base}"] = r["tokens_per_s"] / by[(r["batch_size"], base)]["tokens_per_s"]
-    print(f"{'batch':>5} {'strategy':<17} {'tok/s':>7} {'vs ar':>6} {'vs hf':>6} {'plain rounds':>12} "
-          f"{'same as ar':>10}  plan")
+            b = by.get((r["batch_size"], base))
+            if b is not None:
+                r[f"vs_{base}"] = r["tokens_per_s"] / b["tokens_per_s"]
+                if r["decode_tokens_per_s"] and b["decode_tokens_per_s"]:
+                    r[f"decode_vs_{base}"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+
+    def x(v):
+        return f"{v:>5.2f}x" if v is not None else f"{'-':>6}"
+
+    print(f"{'':<24}{'whole call (prefill included)':<31}{'decoding alone':<23}")
+    print(f"{'batch':>5} {'strategy':<17} {'tok/s':>7} {'prefill':>7} {'vs ar':>6} {'vs hf':>6}  {'tok/s':>7} "
+          f"{'vs ar':>6} {'vs hf':>6} {'plain rounds':>12} {'same as ar':>10}  plan")
     for r in results:
         share = "-" if r["plain_row_share"] is None else f"{r['plain_row_share']:.0%}"
         same = "-" if r["identical_to_ar"] is None else f"{r['identical_to_ar']}/{r['rows']}"
-        print(f"{r['batch_size']:>5} {r['strategy']:<17} {r['tokens_per_s']:>7.1f} {r.get('vs_ar', 0):>5.2f}x "
-              f"{r.get('vs_hf', 0):>5.2f}x {share:>12} {same:>10}  {r['plan'] or ''}")
+        dec = r["decode_tokens_per_s"]
+        print(f"{r['batch_size']:>5} {r['strategy']:<17} {r['tokens_per_s']:>7.1f} "
+              f"{r['prefill_seconds'] / r['seconds']:>7.0%} {x(r.get('vs_ar'))} {x(r.get('vs_hf'))}  "
+              f"{'-' if dec is None else f'{dec:.1f}':>7} {x(r.get('decode_vs_ar'))} {x(r.get('decode_vs_hf'))} "
+              f"{share:>12} {same:>10}  {r['plan'] or ''}")
     print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
                       "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
                       "hardware": hardware_info(), "results": results}))

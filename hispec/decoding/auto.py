@@ -300,6 +300,53 @@ class _AutoPolicy:
             run.lookup_only = torch.tensor(only, dtype=torch.bool, device=like.device)
         return sum(only)
 
+    def _batch_pays(self, run: _Run, alphas, lookup, match) -> bool:
+        """Whether the rows' choices, speculating together, are predicted to beat one plain round of the batch per
+        token. The per-row rule prices a row at its share of a pass as wide as its own proposal (`at_batch`: as
+        if every row drafted alike); but one pass verifies every row at the widest row's width, so where a few
+        rows propose (an n-gram row only where its lookup matched) the whole batch pays their width. Here the
+        round is priced as the batch runs it, on the one-row calibration's curves: the verification over B x W
+        positions (W = 1 + the widest proposal) with the chance that any row proposes, else over B, plus the
+        rows' drafting at B positions per draft step; its tokens are the rows' expected ones (`expected_tokens`
+        under each row's own rates; the lookup's where it matches, else one or the exit's). Measured on the demo
+        checkpoint (fp32, one thread, tools/batch_speed.py, decoding alone): a speculative round at batch 4 took
+        ~1.6x a plain round for ~1.25x its tokens; with this check `auto` / `ar` went 0.92x -> 0.93x at batch 4
+        (plain rounds 77-93% -> 93%) and 0.95x -> 1.00x at batch 16 (medians of 3-4 runs). Chains with one level
+        under the full model (what `auto` plans); deeper chains keep the per-row rule."""
+        lt, c, lv = self.latency, self.cal, self.chain[0]
+        gam = run.gam[0].tolist()
+        on = [b for b, g in enumerate(gam) if g > 0]
+        if not on:
+            return True
+        B, n = len(gam), c.ngram_max_len
+        only = run.lookup_only.tolist() if self.lookup else [False] * B
+        quiet, width, tokens, lookups, steps = 1.0, 1, float(B - len(on)), 0, 0
+        for b in on:
+            g, m, a = int(gam[b]), float(match[b]), float(alphas[b, 0])
+            if lv.kind == "ngram" or only[b]:  # proposes only where the lookup matches
+                rate = float(lookup[b]) if self.lookup else a
+                tokens += m * lt.expected_tokens(rate, n if self.lookup else g) + (1 - m)
+                quiet *= 1 - m
+                width = max(width, 1 + (n if self.lookup else g))
+                lookups += 1
+            elif self.lookup:  # the lookup where it matches, the exit / drafter where it does not
+                tokens += m * lt.expected_tokens(float(lookup[b]), n) + (1 - m) * lt.expected_tokens(a, g)
+                quiet, width, lookups, steps = 0.0, max(width, 1 + max(n, g)), lookups + 1, max(steps, g)
+            else:
+                tokens += lt.expected_tokens(a, g)
+                quiet, width, steps = 0.0, max(width, 1 + g), max(steps, g)
+        verify = lt.full_pass_seconds  # (the whole model over T positions, from the one-row curves)
+        if lv.kind == "eagle3":
+            draft = c.head_cost(lt.EAGLE, B) + c.drafter_overhead
+        elif lv.kind == "exit":
+            draft = c.depth(self.names[0]) * c.layer_cost(B) + c.head_cost(self.names[0].removeprefix(LOOKUP), B)
+        else:
+            draft = 0.0
+        plain = c.step_overhead + verify(c, B)
+        spec = (c.step_overhead + lookups * c.ngram_cost + steps * (draft + c.step_overhead)
+                + (1 - quiet) * verify(c, B * width) + quiet * verify(c, B))
+        return spec / tokens <= plain / B
+
     def _lookup_alone(self, cal, now: float, below: float, rate: float, match: float) -> bool:
         """Whether a row of a lookup-first level 0 drafts faster by the lookup alone (`ngram>full`, under the row's
         n-gram rate and match rate: `latency.lookup_alone_seconds`) than by what the rule chose (`now`, seconds
@@ -317,6 +364,11 @@ class _AutoPolicy:
         cal = self.cal.at_batch(alphas.shape[0])  # priced at this batch's costs (`Calibration.at_batch`)
         choose = self._choose_tree if self.tree is not None else self._choose_chain
         alone = choose(run, cal, alphas, lookup, match)  # (how many rows draft by the lookup alone)
+        if self.tree is None and K == 1 and alphas.shape[0] > 1 and not self._batch_pays(run, alphas, lookup, match):
+            run.gam = [torch.zeros_like(g) for g in run.gam]  # the batch's round: plain for every row
+            run.lookup_only = torch.zeros_like(run.lookup_only)
+            self.lowest.fill_(K)
+            alone = 0
         run.stats.row_rounds += alphas.shape[0]
         run.stats.plain_row_rounds += int((self.lowest == K).sum())
         run.stats.lookup_only_row_rounds += alone

@@ -36,8 +36,8 @@ from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, drafter_i
                           model_identity, read_calibration, write_calibration)
 from .measure import NGRAM_CANDIDATES, calibrate, drafter_rounds, fit_decoder_costs, ngram_rounds
 from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
-                    best_gammas, best_hierarchy, expected_tokens, interp, is_drafter, level_name, level_pairs,
-                    lookup_alone_seconds, lookup_exit, pair_key, time_per_token)
+                    best_gammas, best_hierarchy, expected_tokens, full_pass_seconds, interp, is_drafter, level_name,
+                    level_pairs, lookup_alone_seconds, lookup_exit, pair_key, time_per_token)
 from .plans import AutoPlan, auto_plan, format_predictions, named_hierarchies, predictions
 from .timing import KVBench, measure_costs, measure_layer_costs, median_times, nondecreasing
 from .trees import (MAX_TREE_WIDTH, TREE_ROWS, best_tree, scaled_topk, tree_expected_tokens, tree_round_seconds,
@@ -59,6 +59,7 @@ __all__ = [
     "drafter_rounds",
     "expected_tokens",
     "fit_decoder_costs",
+    "full_pass_seconds",
     "format_predictions",
     "interp",
     "level_pairs",

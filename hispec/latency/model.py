@@ -195,6 +195,12 @@ def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float
             + cal.position_overhead * (T - 1))
 
 
+def full_pass_seconds(cal: Calibration, T: int) -> float:
+    """The whole model over T positions in one pass (`V_0full(T)`, from nothing: an n-gram's or a batch's
+    positions), on the calibration's one-row curves; `auto` prices a batch's verification at T = rows x width."""
+    return _pass_cost(cal, None, FULL, T)
+
+
 def _drafter_context(cal: Calibration, x: float) -> float:
     """c(x): what x more entries add to a drafter pass (its context: tokens the model verified since it last ran)."""
     return max(0.0, cal.head_cost(EAGLE, 1 + x) - cal.head_cost(EAGLE, 1)) if x > 0 else 0.0
