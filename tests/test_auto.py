@@ -189,14 +189,22 @@ def test_a_full_batch_decodes_plainly_where_its_pass_is_compute_bound(tree):
         assert alone.stats.tokens_per_target_pass > 1.5
 
 
-def _lookup_batch_policy(rows, match=0.3, rate=0.9):
-    """`auto`'s policy for `rows` rows under `ngram>full` priors (the lookup's rate `rate`, its match rate
-    `match`) on a machine whose passes are flat up to 8 positions, then compute-bound."""
+def _lookup_batch_model(match=0.3, rate=0.9):
+    """A model whose calibration plans `ngram>full` (the lookup's rate `rate`, its match rate `match`) on a
+    machine whose passes are flat up to 8 positions, then compute-bound."""
     model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
     cal = _calibrated(model, lambda k: rate if k == "ngram>full" else 0.0, match, realistic=True)
     shape = {T: max(1.0, T / 8) for T in cal.costs["layer"]}
     cal = dataclasses.replace(cal, costs={**cal.costs, "layer": {T: 1e-3 * c for T, c in shape.items()},
-                                          "final": {T: 2e-3 * c for T, c in shape.items()}})
+                                          "final": {T: 2e-3 * c for T, c in shape.items()},
+                                          "position_overhead": 1e-5})
+    model.hispec_config.calibration = cal.to_dict()
+    return model, cal
+
+
+def _lookup_batch_policy(rows, match=0.3, rate=0.9):
+    """`auto`'s policy for `rows` rows of `_lookup_batch_model`, and a run holding only what `choose` reads."""
+    model, cal = _lookup_batch_model(match, rate)
     levels, tree, policy = decoding.generation._auto_policy(model, cal, rows, "cpu", gamma=1, window=1,
                                                             ngram=NgramConfig(), max_new_tokens=64, trees=False)
     assert [lv.name for lv in levels] == ["ngram", "full"] and tree is None
@@ -205,26 +213,37 @@ def _lookup_batch_policy(rows, match=0.3, rate=0.9):
     return policy, run
 
 
-def test_a_batch_whose_rows_each_pay_alone_decodes_plainly_where_its_widest_pass_does_not(monkeypatch):
+def test_a_batch_whose_rows_each_pay_alone_goes_plain_where_its_widest_pass_does_not(monkeypatch):
     """Four rows whose lookups match 30% of the time and are then right 90% of the time: priced per row at its
     share of a batch pass as wide as its own proposal (`Calibration.at_batch`) each row pays, but one pass verifies
     every row at the widest proposal, paid by the batch whenever any row's lookup matched (76% of rounds), and
-    that round costs more per token than a plain one: `auto` keeps the batch plain (`_batch_pays`). The per-row rule
-    alone speculates; a row alone still does."""
+    that round costs more per token than a plain one: `auto` chooses a plain round for the batch (`_batch_pays`).
+    The per-row rule alone speculates; lookups that nearly always match make the wide pass pay."""
     policy, run = _lookup_batch_policy(4)
     policy.choose(run)
     assert all(int(g) == 0 for g in run.gam[0]) and run.stats.plain_row_rounds == 4
+    policy, run = _lookup_batch_policy(4, match=0.9)
+    policy.choose(run)
+    assert all(int(g) > 0 for g in run.gam[0])
     monkeypatch.setattr(decoding._AutoPolicy, "_batch_pays", lambda self, *a: True)  # the per-row rule alone
     policy, run = _lookup_batch_policy(4)
     policy.choose(run)
     assert all(int(g) > 0 for g in run.gam[0])
-    monkeypatch.undo()
-    policy, run = _lookup_batch_policy(1)
-    policy.choose(run)
-    assert int(run.gam[0][0]) > 0
-    policy, run = _lookup_batch_policy(4, match=0.9)  # lookups that nearly always match: the wide pass pays
-    policy.choose(run)
-    assert all(int(g) > 0 for g in run.gam[0])
+
+
+def test_a_batch_priced_by_its_round_decodes_identically_and_speculates_less_than_its_rows_alone(monkeypatch):
+    """Decoding the batch above: output is plain decoding's, and the batch's rounds are plain more often than the
+    per-row rule alone makes them (rows whose own text repeats may still make a wide pass pay)."""
+    model, _ = _lookup_batch_model()
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 16)
+    out = model.generate(ids, am, max_new_tokens=16, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    monkeypatch.setattr(decoding._AutoPolicy, "_batch_pays", lambda self, *a: True)  # the per-row rule alone
+    alone = model.generate(ids, am, max_new_tokens=16, strategy="auto")
+    assert torch.equal(alone.sequences, ref)
+    share = [o.stats.plain_row_rounds / o.stats.row_rounds for o in (out, alone)]
+    assert share[0] > share[1] + 0.2, share
 
 
 def _cost_clock(monkeypatch, model, cost):

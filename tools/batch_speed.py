@@ -14,8 +14,9 @@
 Strategies run interleaved per batch (rotated order), so machine drift hits all alike. Two speeds per row: the
 whole call (prefill included: what a user waits for) and decoding alone (new tokens after each row's first, over
 the seconds after the prefill: hispec's `GenerationStats.prefill_seconds`; for `hf` the time of its first logits
-call, which follows its prefill). Long padded prompts make the whole-call figure at large batches mostly prefill,
-where the strategies do the same work; the decode-only figure is where they differ. Every output is compared
+call, which follows its prefill, so its set-up counts as prefill, while hispec's set-up, `auto`'s planning
+included, counts as decoding: a bias against hispec). Long padded prompts make the whole-call figure at large
+batches mostly prefill, where the strategies do the same work; the decode-only figure is where they differ. Every output is compared
 with `ar`'s on the same batch (fp32: identical token for token). Needs a calibrated checkpoint (`hispec-bench
 --model CK --calibrate` or `hispec-export ... --calibrate`). Prints a table and ends with one JSON line.
 """

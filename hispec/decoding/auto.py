@@ -305,14 +305,15 @@ class _AutoPolicy:
         token. The per-row rule prices a row at its share of a pass as wide as its own proposal (`at_batch`: as
         if every row drafted alike); but one pass verifies every row at the widest row's width, so where a few
         rows propose (an n-gram row only where its lookup matched) the whole batch pays their width. Here the
-        round is priced as the batch runs it, on the one-row calibration's curves: the verification over B x W
-        positions (W = 1 + the widest proposal) with the chance that any row proposes, else over B, plus the
-        rows' drafting at B positions per draft step; its tokens are the rows' expected ones (`expected_tokens`
-        under each row's own rates; the lookup's where it matches, else one or the exit's). Measured on the demo
-        checkpoint (fp32, one thread, tools/batch_speed.py, decoding alone): a speculative round at batch 4 took
-        ~1.6x a plain round for ~1.25x its tokens; with this check `auto` / `ar` went 0.92x -> 0.93x at batch 4
-        (plain rounds 77-93% -> 93%) and 0.95x -> 1.00x at batch 16 (medians of 3-4 runs). Chains with one level
-        under the full model (what `auto` plans); deeper chains keep the per-row rule."""
+        round is priced as the batch runs it (`latency.batch_pass_seconds`, the one-row curves): the verification
+        over rows x W positions (W = 1 + the widest proposal) where any row proposes, else over the rows alone, the
+        layers below an exit over the newest tokens unless a lookup served some row, plus the draft steps at the
+        batch's rows; its tokens are the rows' expected ones (`expected_tokens` under each row's own rates: the
+        lookup's where it matches, else one, or the exit's / drafter's). Approximations, all small: the widest
+        proposal is assumed every round; a lookup-first row is charged one lookup (the decoder may retry it before
+        each draft step) and width 1 + max(n, gamma); the drafter's context intake is left out. Chains with one
+        level under the full model (what `auto` plans); deeper chains and trees keep the per-row rule. Measured
+        with `ngram>full` only (README, session 24)."""
         lt, c, lv = self.latency, self.cal, self.chain[0]
         gam = run.gam[0].tolist()
         on = [b for b, g in enumerate(gam) if g > 0]
@@ -320,31 +321,35 @@ class _AutoPolicy:
             return True
         B, n = len(gam), c.ngram_max_len
         only = run.lookup_only.tolist() if self.lookup else [False] * B
-        quiet, width, tokens, lookups, steps = 1.0, 1, float(B - len(on)), 0, 0
+        unserved, width, tokens, lookups, steps = 1.0, 1, float(B - len(on)), 0, 0  # unserved: no lookup matched
         for b in on:
             g, m, a = int(gam[b]), float(match[b]), float(alphas[b, 0])
             if lv.kind == "ngram" or only[b]:  # proposes only where the lookup matches
                 rate = float(lookup[b]) if self.lookup else a
                 tokens += m * lt.expected_tokens(rate, n if self.lookup else g) + (1 - m)
-                quiet *= 1 - m
                 width = max(width, 1 + (n if self.lookup else g))
-                lookups += 1
             elif self.lookup:  # the lookup where it matches, the exit / drafter where it does not
                 tokens += m * lt.expected_tokens(float(lookup[b]), n) + (1 - m) * lt.expected_tokens(a, g)
-                quiet, width, lookups, steps = 0.0, max(width, 1 + max(n, g)), lookups + 1, max(steps, g)
+                width, steps = max(width, 1 + max(n, g)), max(steps, g)
             else:
                 tokens += lt.expected_tokens(a, g)
-                quiet, width, steps = 0.0, max(width, 1 + g), max(steps, g)
-        verify = lt.full_pass_seconds  # (the whole model over T positions, from the one-row curves)
+                width, steps = max(width, 1 + g), max(steps, g)
+            if lv.kind == "ngram" or self.lookup:
+                unserved *= 1 - m
+                lookups += 1
+        exit_level = self.names[0].removeprefix(LOOKUP) if lv.kind == "exit" else None
         if lv.kind == "eagle3":
             draft = c.head_cost(lt.EAGLE, B) + c.drafter_overhead
-        elif lv.kind == "exit":
-            draft = c.depth(self.names[0]) * c.layer_cost(B) + c.head_cost(self.names[0].removeprefix(LOOKUP), B)
+        elif exit_level is not None:
+            draft = c.depth(exit_level) * c.layer_cost(B) + c.head_cost(exit_level, B)
         else:
             draft = 0.0
-        plain = c.step_overhead + verify(c, B)
-        spec = (c.step_overhead + lookups * c.ngram_cost + steps * (draft + c.step_overhead)
-                + (1 - quiet) * verify(c, B * width) + quiet * verify(c, B))
+        served = lt.batch_pass_seconds(c, B, width)  # some row's proposal came from nowhere: every layer at W
+        quiet = lt.batch_pass_seconds(c, B, width, exit_level) if steps else lt.batch_pass_seconds(c, B, 1)
+        verify = (1 - unserved) * served + unserved * quiet + (c.drafter_verify_overhead if steps and lv.kind ==
+                                                               "eagle3" else 0.0)
+        plain = c.step_overhead + lt.batch_pass_seconds(c, B, 1)
+        spec = c.step_overhead + lookups * c.ngram_cost + steps * (draft + c.step_overhead) + verify
         return spec / tokens <= plain / B
 
     def _lookup_alone(self, cal, now: float, below: float, rate: float, match: float) -> bool:

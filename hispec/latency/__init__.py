@@ -36,7 +36,7 @@ from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, drafter_i
                           model_identity, read_calibration, write_calibration)
 from .measure import NGRAM_CANDIDATES, calibrate, drafter_rounds, fit_decoder_costs, ngram_rounds
 from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
-                    best_gammas, best_hierarchy, expected_tokens, full_pass_seconds, interp, is_drafter, level_name,
+                    batch_pass_seconds, best_gammas, best_hierarchy, expected_tokens, interp, is_drafter, level_name,
                     level_pairs, lookup_alone_seconds, lookup_exit, pair_key, time_per_token)
 from .plans import AutoPlan, auto_plan, format_predictions, named_hierarchies, predictions
 from .timing import KVBench, measure_costs, measure_layer_costs, median_times, nondecreasing
@@ -52,6 +52,7 @@ __all__ = [
     "LOOKUP",
     "KVBench",
     "acceptance_from_counts",
+    "batch_pass_seconds",
     "best_gammas",
     "best_hierarchy",
     "calibrate",
@@ -59,7 +60,6 @@ __all__ = [
     "drafter_rounds",
     "expected_tokens",
     "fit_decoder_costs",
-    "full_pass_seconds",
     "format_predictions",
     "interp",
     "level_pairs",

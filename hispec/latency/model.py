@@ -195,10 +195,16 @@ def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float
             + cal.position_overhead * (T - 1))
 
 
-def full_pass_seconds(cal: Calibration, T: int) -> float:
-    """The whole model over T positions in one pass (`V_0full(T)`, from nothing: an n-gram's or a batch's
-    positions), on the calibration's one-row curves; `auto` prices a batch's verification at T = rows x width."""
-    return _pass_cost(cal, None, FULL, T)
+def batch_pass_seconds(cal: Calibration, rows: int, width: int, lower: str | None = None) -> float:
+    """One verification pass of a batch by the full model, on the calibration's one-row curves: `rows` rows, each
+    `width` positions wide (rows x width positions through every layer), except that the layers below exit
+    `lower` (they ran while it drafted; None: nothing ran, an n-gram's proposal) see only each row's newest token.
+    Position bookkeeping is per row's width (`position_overhead` x (width - 1)), as `Calibration.at_batch` shares
+    it. `auto` prices a batch's round with it (`_AutoPolicy._batch_pays`)."""
+    e = 0 if lower is None else cal.depth(lower)
+    T = int(rows) * int(width)
+    return (e * cal.layer_cost(rows) + (cal.depth(FULL) - e) * cal.layer_cost(T) + cal.head_cost(FULL, T)
+            + cal.position_overhead * (int(width) - 1))
 
 
 def _drafter_context(cal: Calibration, x: float) -> float:
