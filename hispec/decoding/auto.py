@@ -346,8 +346,9 @@ class _AutoPolicy:
             draft = 0.0
         served = lt.batch_pass_seconds(c, B, width)  # some row's proposal came from nowhere: every layer at W
         quiet = lt.batch_pass_seconds(c, B, width, exit_level) if steps else lt.batch_pass_seconds(c, B, 1)
-        verify = (1 - unserved) * served + unserved * quiet + (c.drafter_verify_overhead if steps and lv.kind ==
-                                                               "eagle3" else 0.0)
+        verify = (1 - unserved) * served + unserved * quiet
+        if steps and lv.kind == "eagle3":
+            verify += c.drafter_verify_overhead
         plain = c.step_overhead + lt.batch_pass_seconds(c, B, 1)
         spec = c.step_overhead + lookups * c.ngram_cost + steps * (draft + c.step_overhead) + verify
         return spec / tokens <= plain / B
