@@ -300,23 +300,28 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, past=None,
-             mask: torch.Tensor | None = None) -> DraftStep:
+             mask: torch.Tensor | None = None, select: torch.Tensor | None = None) -> DraftStep:
         """One drafter step for T new positions: embeds `[B, T, H]` (the target's embedding of each position's
         token), hidden `[B, T, H]` (the fused aux state or the previous step's output), position_ids `[B, T]`,
-        past (key, value) `[B, kv, S, d]`, mask `[B, T, S + T]` (None: causal, no past)."""
+        past (key, value) `[B, kv, S, d]`, mask `[B, T, S + T]` (None: causal, no past); select `[B, T]` bool:
+        logits only at those positions (`[N, draft_V]`, row-major), the norm and lm_head skipped elsewhere."""
         cos, sin = self.rotary_emb(hidden, position_ids)
         z, k, v = self.layers[0](embeds, hidden, cos, sin, past, mask)
-        return DraftStep(hidden=z, logits=self.lm_head(self.norm(z)), key=k, value=v)
+        out = z if select is None else z[select]
+        return DraftStep(hidden=z, logits=self.lm_head(self.norm(out)), key=k, value=v)
 
     def ttt_logits(self, aux: torch.Tensor, embed, input_ids: torch.Tensor, steps: int,
-                   valid: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+                   valid: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                   select: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test over whole (right-padded) sequences, `speculators`' semantics.
 
         aux `[B, T, A*H]`: entry j holds the aux states of position j; input_ids `[B, T]`: entry j holds token
         x_{j+1}, the token after the aux states' position (the caller shifts, as `speculators`' `shift_batch`);
         position_ids `[B, T]` (default 1..T); valid `[B, T]` bool (default all). Step s reads the teacher-forced
         tokens x_{j+1+s} (0 past the end) and its own step s-1 states; returns `steps` logits `[B, T, draft_V]`:
-        step s at entry j predicts x_{j+2+s}."""
+        step s at entry j predicts x_{j+2+s}. select `[B, T]` bool: logits only at those entries (`[N, draft_V]`
+        per step, row-major): training's loss positions. The lm_head over an 8k-49k vocabulary is most of a step's
+        work at these widths, and answers are a fraction of a padded batch (prompts and padding train nothing)."""
         B, T = input_ids.shape
         dev = input_ids.device
         if valid is None:
@@ -332,7 +337,7 @@ class Eagle3Drafter(nn.Module):
         for s in range(steps):
             mask = torch.cat([base | diag] + [diag] * s, -1)  # step-0 keys, then the diagonal of steps 1..s
             past = None if s == 0 else (torch.cat(keys, 2), torch.cat(values, 2))
-            r = self.step(embed(ids), hidden, position_ids + s, past, mask)
+            r = self.step(embed(ids), hidden, position_ids + s, past, mask, select)
             keys.append(r.key)
             values.append(r.value)
             out.append(r.logits)

@@ -228,6 +228,43 @@ def test_ttt_training_learns_the_teacher_and_chains_agreement():
     assert all(p.grad is None for p in target.parameters())  # the target stays frozen
 
 
+def test_ttt_loss_on_the_trained_positions_equals_the_loss_over_the_whole_batch():
+    """The lm_head runs only where some step trains (answers, not prompts or padding); the loss, its gradient and
+    every statistic equal those computed from the whole batch's logits by hand."""
+    target = tiny_model("llama")
+    d = _drafter(target, draft_vocab_size=60, seed=5)
+    items = _cache_items(target, [14, 9, 11])
+    items[0]["loss_mask"][:6] = False  # a prompt
+    items[2]["loss_mask"][:3] = False
+    steps, decay = 3, 0.7
+    batch = DrafterCollator(d.config.aux_layers, steps)(items)
+    model = DrafterForTraining(d, target.get_input_embeddings())
+    got = ttt_loss(model, batch, steps, decay)
+    got.loss.backward()
+    grads = [p.grad.clone() for p in d.parameters()]
+    d.zero_grad()
+    full = d.ttt_logits(batch["aux"], target.get_input_embeddings(), batch["input_ids"], steps, batch["valid"])
+    index = torch.full((d.config.vocab_size,), -1, dtype=torch.long)
+    index[d.draft_token_ids()] = torch.arange(60)
+    loss, chain = 0.0, torch.ones_like(batch["valid"])
+    for s, lg in enumerate(full):
+        assert lg.shape[:2] == batch["valid"].shape  # (no selection: every entry)
+        m, tk, lp = batch["loss_mask"][..., s], batch["topk_ids"][..., s, :], batch["topk_logprobs"][..., s, :]
+        p = lp.exp() * (index[tk] >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+        ce = -(p * lg.float().log_softmax(-1).gather(-1, index[tk].clamp_min(0))).sum(-1)
+        loss = loss + decay ** s * (ce * m).sum() / m.sum()
+        ok = d.to_target(lg.argmax(-1)) == tk[..., 0]
+        chain = chain & ok
+        assert got.sums[f"ce{s}"] == pytest.approx(float((ce * m).sum().detach()), rel=1e-5)
+        assert got.sums[f"top1_{s}"] == float((ok & m).sum())
+        assert got.sums[f"chain{s}"] == float((chain & batch["loss_mask"][..., 0] & m).sum())
+    assert got.loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    loss.backward()
+    for g, p in zip(grads, d.parameters()):
+        assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_draft_vocabulary_counts_the_teachers_top1(tmp_path):
     target = tiny_model("llama")
     items = _cache_items(target, [30, 30])

@@ -91,14 +91,15 @@ class DrafterForTraining(torch.nn.Module):
         self.drafter = drafter
         self._embed = [embed]
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int):
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int,
+                select: torch.Tensor | None = None):
         dtype = self.drafter.fc.weight.dtype
 
         def embed(x):
             with torch.no_grad():  # the target's embedding is frozen
                 return self._embed[0](x).to(dtype)
 
-        return self.drafter.ttt_logits(aux.to(dtype), embed, input_ids, steps, valid)
+        return self.drafter.ttt_logits(aux.to(dtype), embed, input_ids, steps, valid, select=select)
 
 
 def _draft_index(drafter) -> torch.Tensor | None:
@@ -116,19 +117,23 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
     core = getattr(model, "module", model).drafter
     dev = core.fc.weight.device
     b = {k: v.to(dev) for k, v in batch.items()}
-    logits = model(b["aux"], b["input_ids"], b["valid"], steps)
+    # the drafter's logits only where some step trains ([N] entries of the batch, row-major): the rest of the
+    # padded batch (prompts, padding) still runs its decoder layer, whose states later steps and entries read
+    sel = b["loss_mask"].any(-1)
+    logits = model(b["aux"], b["input_ids"], b["valid"], steps, sel)
+    mask, topk_ids, topk_logp = b["loss_mask"][sel], b["topk_ids"][sel], b["topk_logprobs"][sel]  # [N, steps(, k)]
     index = _draft_index(core)
     loss = torch.zeros((), device=dev)
     sums = {"tokens": 0.0}
     chain_ok = None
     for s, lg in enumerate(logits):
-        m = b["loss_mask"][..., s]
-        tk, lp = b["topk_ids"][..., s, :], b["topk_logprobs"][..., s, :]
+        m = mask[:, s]
+        tk, lp = topk_ids[:, s], topk_logp[:, s]
         didx = tk if index is None else index[tk]
         p = lp.exp() * (didx >= 0)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
         logq = F.log_softmax(lg.float(), -1).gather(-1, didx.clamp_min(0))
-        ce_tok = -(p * logq).sum(-1)  # [B, T]
+        ce_tok = -(p * logq).sum(-1)  # [N]
         n = m.sum().clamp_min(1)
         loss = loss + decay ** s * (ce_tok * m).sum() / n
         with torch.no_grad():
@@ -138,8 +143,8 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
             sums[f"n{s}"] = float(m.sum())
             sums[f"ce{s}"] = float((ce_tok * m).sum())
             sums[f"top1_{s}"] = float((ok & m).sum())
-            sums[f"chain{s}"] = float((chain_ok & b["loss_mask"][..., 0] & m).sum())
-            sums[f"chain_n{s}"] = float((b["loss_mask"][..., 0] & m).sum())
+            sums[f"chain{s}"] = float((chain_ok & mask[:, 0] & m).sum())
+            sums[f"chain_n{s}"] = float((mask[:, 0] & m).sum())
     out = DrafterLoss(loss=loss, tokens=int(sums.get("n0", 0)), sums=sums)
     _fill_rates(out, sums, len(logits))
     return out
