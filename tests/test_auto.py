@@ -138,7 +138,10 @@ def _self_spec_only(k):  # priors that make L2 > full the chosen chain (no n-gra
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_rows_with_wildly_different_acceptance_adapt_separately_in_one_batch(monkeypatch, tree):
     """Rows whose exit is always wrong go plain; rows whose exit is right speculate (chains: long gammas; trees: the
-    tree, while a plain row gets the model's own token from the tree pass); output is plain decoding's either way."""
+    tree, while a plain row gets the model's own token from the tree pass); output is plain decoding's either way.
+    Rows priced as a server's (each returns when done): where the call waits for its slowest row (`generate`)
+    the plain rows set its length, and one chain round for the batch is plain (the next test)."""
+    monkeypatch.setattr(decoding._AutoPolicy, "together", False)
     model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
     if tree:
         _tree_priors(model, lookup=False, top1=0.5)
@@ -213,22 +216,42 @@ def _lookup_batch_policy(rows, match=0.3, rate=0.9):
     return policy, run
 
 
+def _batch_choice(rows, together, match=0.3, rate=0.9) -> list[int]:
+    """The gammas `auto` chooses for one round of `_lookup_batch_policy`; `match` may be one per row (as if each
+    row had measured it over many rounds)."""
+    policy, run = _lookup_batch_policy(rows, match if isinstance(match, float) else 0.5, rate)
+    if not isinstance(match, float):
+        m = torch.tensor(match, dtype=torch.float64)
+        policy.hit, policy.miss = 10 * m, 10 * (1 - m)
+    policy.together = together
+    policy.choose(run)
+    return [int(g) for g in run.gam[0]]
+
+
 def test_a_batch_whose_rows_each_pay_alone_goes_plain_where_its_widest_pass_does_not(monkeypatch):
     """Four rows whose lookups match 30% of the time and are then right 90% of the time: priced per row at its
     share of a batch pass as wide as its own proposal (`Calibration.at_batch`) each row pays, but one pass verifies
     every row at the widest proposal, paid by the batch whenever any row's lookup matched (76% of rounds), and
-    that round costs more per token than a plain one: `auto` chooses a plain round for the batch (`_batch_pays`).
-    The per-row rule alone speculates; lookups that nearly always match make the wide pass pay."""
-    policy, run = _lookup_batch_policy(4)
-    policy.choose(run)
-    assert all(int(g) == 0 for g in run.gam[0]) and run.stats.plain_row_rounds == 4
-    policy, run = _lookup_batch_policy(4, match=0.9)
-    policy.choose(run)
-    assert all(int(g) > 0 for g in run.gam[0])
+    that round costs more per token than a plain one: `auto` chooses a plain round for the batch (`_batch_pays`),
+    whether its rows return together (`generate`) or each when done (a server). The per-row rule alone
+    speculates."""
+    for together in (True, False):
+        gam = _batch_choice(4, together)
+        assert not any(gam), together
     monkeypatch.setattr(decoding._AutoPolicy, "_batch_pays", lambda self, *a: True)  # the per-row rule alone
-    policy, run = _lookup_batch_policy(4)
-    policy.choose(run)
-    assert all(int(g) > 0 for g in run.gam[0])
+    assert all(_batch_choice(4, True))
+
+
+def test_a_batch_that_returns_together_values_tokens_at_a_rows_share_and_its_slowest_row():
+    """On this machine a pass costs the same for 1 to 8 positions: one row less saves nothing, so where the rows
+    return together (`generate`) a round is worth as many tokens as its slowest row expects. Two rows whose lookups
+    match 90% of the time (one token proposed: 1.81 expected) and two matching 50% (three proposed: 2.22) pay
+    for their 4 x 4-position pass (2x a plain one) where each row returns when done (a server: 8.06 tokens, more
+    than two plain rounds' 8), not where the call waits for its slowest row (1.81 rounds' worth); four rows that
+    each expect 2.2 tokens from a 4 x 3-position pass (1.5x) pay in both."""
+    rows = [0.9, 0.9, 0.5, 0.5]
+    assert all(_batch_choice(4, False, match=rows)) and not any(_batch_choice(4, True, match=rows))
+    assert all(_batch_choice(4, True, match=0.7)) and all(_batch_choice(4, False, match=0.7))
 
 
 def test_a_batch_priced_by_its_round_decodes_identically_and_speculates_less_than_its_rows_alone(monkeypatch):
@@ -584,7 +607,8 @@ def _greedy_with_the_lookup_alone(monkeypatch, model, want: str, tree: bool):
 def test_the_rule_drafts_by_the_lookup_alone_where_the_exit_loses_and_the_lookup_pays():
     """Three rows of one lookup-first `auto` batch, speculating: the exit agrees, the lookup rarely matches -> the
     exit with the lookup first; the exit never agrees but the lookup does -> the lookup alone; neither -> plain
-    decoding. The same three choices under the lookup-first tree."""
+    decoding. The same three choices under the lookup-first tree. (Priced as a server's rows, each returning when
+    done: in `generate` the plain row sets the batch's length, and the chain round is plain for all.)"""
     from types import SimpleNamespace
 
     model = _wrap(tiny_model("llama"), head_type="linear", draft=2, verify=4)
@@ -602,6 +626,7 @@ def test_the_rule_drafts_by_the_lookup_alone_where_the_exit_loses_and_the_lookup
             pol.khit.copy_(torch.tensor([[0.95] * len(pol.kwidths), [0.0] * len(pol.kwidths), [0.0] * len(pol.kwidths)]))
             pol.kseen.fill_(1.0)
         pol.lowest.zero_()  # all three speculated last round (no hysteresis)
+        pol.together = False
         run = SimpleNamespace(gam=[torch.ones(3, dtype=torch.long)], do_sample=False, ngram=NgramConfig(),
                               lookup_only=torch.zeros(3, dtype=torch.bool),
                               stats=SimpleNamespace(row_rounds=0, plain_row_rounds=0, lookup_only_row_rounds=0))

@@ -301,10 +301,16 @@ def test_auto_rows_join_and_leave_with_their_own_policy_state():
     reqs = [Request(p, max_new_tokens=n, strategy=s) for p, n, s in
             zip(_prompts(6, seed=9), (20, 6, 15, 25, 9, 12), ("auto", "auto", "hispec", "auto", "ar", "auto"))]
     engine = Engine(model, kv_blocks=128, block_size=4)
+    runs = []
+    step = engine._step
+    engine._step = lambda: (step(), runs.extend(engine.groups.values()))[0]
     for req, h in zip(reqs, _staggered(engine, reqs, [0, 0, 1, 2, 4, 5])):
         solo = model.generate(torch.tensor([req.prompt]), max_new_tokens=req.max_new_tokens, strategy=req.strategy)
         assert h.tokens == solo.new_tokens[0], req.strategy
     assert engine.kv_blocks_used() == 0
+    # each request returns when done: `auto` prices a batch's round by every row's tokens (`_batch_pays`)
+    policies = [r.policy for r in runs if r.policy is not None]
+    assert policies and not any(p.together for p in policies)
 
 
 def test_drafter_rows_join_and_leave_a_running_batch_exactly():

@@ -59,6 +59,7 @@ class _AutoPolicy:
 
     DECAY = 0.85
     PRIOR = 2.0
+    together = True  # `_batch_pays`: the rows return together (`generate`), or each when done (a server: False)
     SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit or drafter (lookups: each)
     MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
@@ -309,7 +310,17 @@ class _AutoPolicy:
         over rows x W positions (W = 1 + the widest proposal) where any row proposes, else over the rows alone, the
         layers below an exit over the newest tokens unless a lookup served some row, plus the draft steps at the
         batch's rows; its tokens are the rows' expected ones (`expected_tokens` under each row's own rates: the
-        lookup's where it matches, else one, or the exit's / drafter's). Approximations, all small: the widest
+        lookup's where it matches, else one, or the exit's / drafter's). What those tokens are worth depends on
+        who waits for them. A server's rows each return when done (`together` False): a token is worth a plain
+        round's share, B tokens a round (each request's latency; with requests queued, throughput). `generate`
+        returns when its last row is done (`together`): a finished row only leaves the batch, so with a plain
+        round costing `fixed` + B x `row` (one row less saves `row`, from the one-row curves) a token saves its
+        row's `row` in later rounds, and `fixed` comes off only when every row is ahead: per the round's slowest
+        row's expected tokens (rows of one length finish after as many rounds as the slowest needs). So at batch 4
+        on the demo checkpoint one lookup row's 8-token proposal would have to save more than the wide pass costs
+        at a row's marginal share (~2 ms of a ~35 ms round), not at the batch's average (~9 ms): it never does;
+        rows that all expect the same tokens are priced as before.
+        Approximations, all small: the widest
         proposal is assumed every round; a lookup-first row is charged one lookup (the decoder may retry it before
         each draft step) and width 1 + max(n, gamma); the drafter's context intake is left out. Chains with one
         level under the full model (what `auto` plans); deeper chains and trees keep the per-row rule. Measured
@@ -322,18 +333,21 @@ class _AutoPolicy:
         B, n = len(gam), c.ngram_max_len
         only = run.lookup_only.tolist() if self.lookup else [False] * B
         unserved, width, tokens, lookups, steps = 1.0, 1, float(B - len(on)), 0, 0  # unserved: no lookup matched
+        slowest = 1.0 if len(on) < B else float("inf")  # the fewest tokens a row expects (a plain row: one)
         for b in on:
             g, m, a = int(gam[b]), float(match[b]), float(alphas[b, 0])
             if lv.kind == "ngram" or only[b]:  # proposes only where the lookup matches
-                rate = float(lookup[b]) if self.lookup else a
-                tokens += m * lt.expected_tokens(rate, n if self.lookup else g) + (1 - m)
-                width = max(width, 1 + (n if self.lookup else g))
+                rate, L = (float(lookup[b]), n) if self.lookup else (a, g)
+                mine = m * lt.expected_tokens(rate, L) + (1 - m)
+                width = max(width, 1 + L)
             elif self.lookup:  # the lookup where it matches, the exit / drafter where it does not
-                tokens += m * lt.expected_tokens(float(lookup[b]), n) + (1 - m) * lt.expected_tokens(a, g)
+                mine = m * lt.expected_tokens(float(lookup[b]), n) + (1 - m) * lt.expected_tokens(a, g)
                 width, steps = max(width, 1 + max(n, g)), max(steps, g)
             else:
-                tokens += lt.expected_tokens(a, g)
+                mine = lt.expected_tokens(a, g)
                 width, steps = max(width, 1 + g), max(steps, g)
+            tokens += mine
+            slowest = min(slowest, mine)
             if lv.kind == "ngram" or self.lookup:
                 unserved *= 1 - m
                 lookups += 1
@@ -351,7 +365,15 @@ class _AutoPolicy:
             verify += c.drafter_verify_overhead
         plain = c.step_overhead + lt.batch_pass_seconds(c, B, 1)
         spec = c.step_overhead + lookups * c.ngram_cost + steps * (draft + c.step_overhead) + verify
-        return spec / tokens <= plain / B
+        if not self.together:  # each row returns when done: every token is worth a plain round's share
+            return spec / tokens <= plain / B
+        # the call returns with its last row: a plain round is `fixed` (what it costs whatever its rows) plus `row`
+        # per row; a token saves its row's share of later rounds, and the fixed part comes off only as fast as
+        # the slowest row advances (rows of one length: how many rounds remain is set by the fewest tokens a row
+        # expects per round)
+        row = max(plain - c.step_overhead - lt.batch_pass_seconds(c, B - 1, 1), 0.0)
+        fixed = plain - B * row
+        return spec <= row * tokens + fixed * slowest
 
     def _lookup_alone(self, cal, now: float, below: float, rate: float, match: float) -> bool:
         """Whether a row of a lookup-first level 0 drafts faster by the lookup alone (`ngram>full`, under the row's

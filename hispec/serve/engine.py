@@ -348,6 +348,8 @@ class Engine:
                    stop_check=None, streamer=None, ngram=ngram,
                    policy=_AutoPolicy(levels, cal, len(hs), self.model.device) if cal is not None else None,
                    verification=verification, cache=cache, ids=ids)
+        if run.policy is not None:
+            run.policy.together = False  # each request returns when done (`_AutoPolicy._batch_pays`)
         run.stats.strategy = ("auto:" if cal is not None else "") + ">".join(lv.name for lv in levels)
         for b, h in enumerate(hs):
             if h.request.gammas is not None and cal is None:
