@@ -157,7 +157,8 @@ def default_aux_layers(num_layers: int) -> list[int]:
 @dataclass
 class DraftStep:
     """One drafter step over T new positions: `hidden` `[B, T, H]` its output state (the next step's input),
-    `logits` `[B, T, draft_vocab_size]`, `key` / `value` `[B, kv_heads, T, head_dim]` for the caller's cache."""
+    `logits` `[B, T, draft_vocab_size]` (`[N, draft_vocab_size]` for the N positions a `select` kept), `key` /
+    `value` `[B, kv_heads, T, head_dim]` for the caller's cache."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
