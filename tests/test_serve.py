@@ -301,9 +301,14 @@ def test_auto_rows_join_and_leave_with_their_own_policy_state():
     reqs = [Request(p, max_new_tokens=n, strategy=s) for p, n, s in
             zip(_prompts(6, seed=9), (20, 6, 15, 25, 9, 12), ("auto", "auto", "hispec", "auto", "ar", "auto"))]
     engine = Engine(model, kv_blocks=128, block_size=4)
-    runs = []
-    step = engine._step
-    engine._step = lambda: (step(), runs.extend(engine.groups.values()))[0]
+    runs, step = [], engine._step
+
+    def step_and_keep_runs():  # (the runs' policies, to read after the engine folded them)
+        worked = step()
+        runs.extend(engine.groups.values())
+        return worked
+
+    engine._step = step_and_keep_runs
     for req, h in zip(reqs, _staggered(engine, reqs, [0, 0, 1, 2, 4, 5])):
         solo = model.generate(torch.tensor([req.prompt]), max_new_tokens=req.max_new_tokens, strategy=req.strategy)
         assert h.tokens == solo.new_tokens[0], req.strategy

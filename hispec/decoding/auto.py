@@ -319,10 +319,9 @@ class _AutoPolicy:
         row's expected tokens (rows of one length finish after as many rounds as the slowest needs). So at batch 4
         on the demo checkpoint one lookup row's 8-token proposal would have to save more than the wide pass costs
         at a row's marginal share (~2 ms of a ~35 ms round), not at the batch's average (~9 ms): it never does;
-        rows that all expect the same tokens are priced as before.
-        Approximations, all small: the widest
-        proposal is assumed every round; a lookup-first row is charged one lookup (the decoder may retry it before
-        each draft step) and width 1 + max(n, gamma); the drafter's context intake is left out. Chains with one
+        rows that all expect the same tokens are priced as before. Approximations, all small: the widest proposal
+        is assumed every round; a lookup-first row is charged one lookup (the decoder may retry it before each
+        draft step) and width 1 + max(n, gamma); the drafter's context intake is left out. Chains with one
         level under the full model (what `auto` plans); deeper chains and trees keep the per-row rule. Measured
         with `ngram>full` only (README, session 24)."""
         lt, c, lv = self.latency, self.cal, self.chain[0]
