@@ -23,11 +23,11 @@ Steps, in order, each recorded as one line of OUT/results.jsonl the moment it en
    offers its users; --compile off|on|auto, auto = on CUDA only; on CPU it runs the static cache eagerly), then
    hispec's `ar`, `self-spec`, `ngram` and `auto` (`auto` needs step 4). Each strategy first decodes the longest
    prompt untimed (--warmup; for hf-static this is where it compiles), then every prompt timed: the device is
-   synchronised before and after each `generate` (torch.cuda.synchronize), tokens/s = new tokens / seconds over
+   synchronised before and after each `generate` (`hispec.timing.synchronize`), tokens/s = new tokens / seconds over
    all prompts. Every strategy's tokens are compared with `hf`'s, prompt by prompt ("identical").
 
-Failures and time: a step that raises is recorded as `failed` (with the error) and the run goes on; a step that
-needs a failed or skipped one is `skipped` with the reason. --time-budget-s bounds the whole run: a step still
+Failures and time (the mechanism is `hispec.bench.steps`): a step that raises is recorded as `failed` (with the
+error) and the run goes on; a step that needs a failed or skipped one is `skipped` with the reason. --time-budget-s bounds the whole run: a step still
 running at the deadline is interrupted (SIGALRM, main thread only) and recorded as `timeout`, and the steps left
 are recorded as `skipped`, so partial results always survive; SIGTERM (e.g. from `timeout`) ends the running step
 as `terminated` and the run the same way. After every step OUT/summary.json and OUT/table.txt are rewritten
@@ -49,10 +49,8 @@ import hashlib
 import inspect
 import json
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -61,6 +59,10 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run from a checkout (the project on PYTHONPATH or not at all)
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+
+from hispec.bench.steps import StepTimeout, Terminated, append_record, deadline, on_sigterm  # noqa: E402
+from hispec.io import write_text  # noqa: E402
+from hispec.timing import synchronize  # noqa: E402
 
 SHIPPED_HEADS = REPO / "recipes" / "artifacts" / "smollm2-135m"
 SPEC_BENCH = REPO / "data" / "eval" / "spec_bench_question.jsonl"
@@ -74,15 +76,6 @@ TINY = dict(num_prompts=2, max_new_tokens=8, calibration_num_prompts=1, calibrat
 TINY_LAYERS, TINY_EXITS = 6, (2, 3)
 
 
-class StepTimeout(BaseException):
-    """The run's deadline passed while a step was running (a BaseException: library code catching Exception
-    must not swallow it)."""
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (e.g. `timeout` ending the run): the step is recorded, the rest skipped, the summary written."""
-
-
 def log(msg: str) -> None:
     print(f"[gpu-check] {msg}", file=sys.stderr, flush=True)
 
@@ -91,81 +84,7 @@ def _clock() -> float:
     return time.monotonic()
 
 
-# ---------------------------------------------------------------------------------------------------- files
-def append_record(path: Path, record: dict) -> None:
-    """One JSON line, appended, flushed and fsync'ed: it survives the process being killed right after."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, default=str) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-# ---------------------------------------------------------------------------------------------------- deadline
-@contextlib.contextmanager
-def deadline(seconds: float | None, why: str = "the time budget ran out"):
-    """Raise StepTimeout in the block once `seconds` have passed (SIGALRM; only in the main thread and only when
-    no other interval timer is armed, else the block runs unbounded and the budget is checked between steps)."""
-    usable = (seconds is not None and hasattr(signal, "setitimer") and
-              threading.current_thread() is threading.main_thread() and
-              signal.getitimer(signal.ITIMER_REAL)[0] == 0)
-    if not usable:
-        yield
-        return
-    armed = [True]
-
-    def on_alarm(signum, frame):
-        if armed[0]:
-            armed[0] = False
-            raise StepTimeout(f"{why} after {seconds:.1f} s in this step")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, max(float(seconds), 0.001))
-        yield
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-@contextlib.contextmanager
-def on_sigterm():
-    """Within the block SIGTERM raises Terminated in the main thread (then the previous handler is back)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated()
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 # ---------------------------------------------------------------------------------------------------- helpers
-def sync(device) -> None:
-    import torch
-
-    if getattr(device, "type", str(device)) == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def dynamo_graphs() -> int | None:
     """Graphs torch.compile (dynamo) has compiled in this process so far (None where torch does not say)."""
     try:
@@ -403,10 +322,10 @@ class GpuCheck:
             if "repeats" not in params:
                 raise TypeError("--calibration-repeats: this hispec's latency.calibrate takes no 'repeats'")
             kwargs["repeats"] = repeats
-        sync(self.model.device)
+        synchronize(self.model.device)
         t0 = time.perf_counter()
         cal = latency.calibrate(self.model, cal_prompts, **kwargs)
-        sync(self.model.device)
+        synchronize(self.model.device)
         seconds = time.perf_counter() - t0
         latency.write_calibration(self.ckpt, cal)
         self.model.hispec_config.calibration = cal.to_dict()
@@ -483,16 +402,16 @@ class GpuCheck:
         t0 = time.perf_counter()
         for w in range(a.warmup):  # the longest prompt, full length: a static cache sized for every prompt
             self._decode(strategy, *self.encoded[longest], a.max_new_tokens, info=warm_info if w == 0 else None)
-        sync(dev)
+        synchronize(dev)
         warmup_s = time.perf_counter() - t0
         graphs1 = dynamo_graphs()
         per_prompt, total_tokens, total_s, passes = [], 0, 0.0, 0
         hierarchy = None
         for i, (ids, mask) in enumerate(self.encoded):
-            sync(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             tokens, stats = self._decode(strategy, ids, mask, a.max_new_tokens)
-            sync(dev)
+            synchronize(dev)
             secs = time.perf_counter() - t0
             total_tokens += len(tokens)
             total_s += secs
@@ -646,8 +565,8 @@ class GpuCheck:
 
     def save_summary(self, summary: dict | None = None) -> None:
         summary = summary or self.summary()
-        write_atomic(self.out / SUMMARY, json.dumps(summary, indent=1) + "\n")
-        write_atomic(self.out / TABLE, format_table(summary) + "\n")
+        write_text(self.out / SUMMARY, json.dumps(summary, indent=1) + "\n")
+        write_text(self.out / TABLE, format_table(summary) + "\n")
 
 
 def _fmt(v, spec: str, none: str = "-") -> str:
