@@ -316,7 +316,7 @@ def test_the_guard_decodes_plainly_where_measured_speculation_loses(monkeypatch,
     assert torch.equal(out.sequences, ref)
     assert out.stats.guarded_rounds > 0 and out.stats.plain_row_rounds > 0.8 * out.stats.row_rounds
     spec_rounds = (out.stats.row_rounds - out.stats.plain_row_rounds) / rows
-    assert spec_rounds <= decoding._PlainGuard.WARM + 2, spec_rounds  # the warm-up, then exploration only
+    assert spec_rounds <= decoding._PlainGuard.WARM + 3, spec_rounds  # setup + warm-up, then exploration only
     monkeypatch.setattr(decoding._PlainGuard, "begin", lambda self, run: None)  # the rule alone
     alone, unguarded = _cost_per_token(model, spent, ids, am, "auto", 96)
     assert torch.equal(alone.sequences, ref)
@@ -340,6 +340,52 @@ def test_the_guard_keeps_speculating_where_it_pays(monkeypatch, tree):
     assert torch.equal(out.sequences, ref)
     assert out.stats.guarded_rounds >= 1 and out.stats.plain_row_rounds < 0.4 * out.stats.row_rounds
     assert cost < 0.7 * ar, (cost, ar)
+
+
+def _guard_rounds(guard, run, rounds: int, setup: list, clock: list) -> list[str]:
+    """Drive `guard` through `rounds` rounds in which the rule always speculates: a speculative round costs 1.2 and
+    commits 2 tokens (0.6 per token), plus 5 for a pending setup (`setup[0]`, then cleared), a plain one costs 1 and
+    commits 1. Returns the arms the guard ran."""
+    arms = []
+    for _ in range(rounds):
+        run.gam = [torch.tensor([2])]
+        guard.begin(run)
+        arm = "plain" if int(run.gam[0][0]) == 0 else "spec"
+        clock[0] += 1.0 if arm == "plain" else 1.2 + 5.0 * setup[0]
+        setup[0] = setup[0] and arm == "plain"
+        run.committed_tokens += 2 if arm == "spec" else 1
+        guard.end(run)
+        arms.append(arm)
+    return arms
+
+
+@pytest.mark.parametrize("joins", [False, True], ids=["run-start", "rows-join"])
+def test_the_guard_does_not_measure_the_setup_of_new_rows(monkeypatch, joins):
+    """The first speculative round after rows start pays their one-time setup (an EAGLE-3 drafter's pass over the
+    prompt): here 6.2 plain rounds' time for 2 tokens, later rounds 1.2 for 2 (0.6 per token against plain's 1.0).
+    Not measured, the guard speculates but for its scheduled plain measurements; measured, that round sends it plain
+    after its warm-up for most of the run. Rows joining a running batch (`_AutoPolicy.extend` -> `joined`) bring a
+    setup again."""
+    from hispec.decoding.stats import GenerationStats
+
+    clock = [0.0]
+    monkeypatch.setattr(decoding._PlainGuard, "clock", staticmethod(lambda: clock[0]))
+
+    def fresh_run():
+        return types.SimpleNamespace(gam=[torch.tensor([2])], seq=torch.tensor([5]), committed_tokens=0,
+                                     lookup_only=torch.zeros(1, dtype=torch.bool), stats=GenerationStats(),
+                                     device=torch.device("cpu"))
+
+    run, guard = fresh_run(), decoding._PlainGuard()
+    if joins:  # a steady batch first, then rows join: their setup falls in the next speculative round
+        assert _guard_rounds(guard, run, 30, [True], clock).count("plain") <= 3
+        guard.joined()
+    arms = _guard_rounds(guard, run, 40, [True], clock)
+    assert arms.count("plain") <= 3, arms  # its scheduled measurements of plain rounds, no more
+    naive = decoding._PlainGuard()
+    naive.setup = False  # the setup round measured like any other
+    arms = _guard_rounds(naive, fresh_run(), 40, [True], clock)
+    assert arms.count("plain") > 20, arms
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])

@@ -98,11 +98,12 @@ def test_the_plain_guard_reads_its_clock_after_the_device_finished(as_cuda, monk
     run = types.SimpleNamespace(gam=[torch.tensor([2])], seq=torch.tensor([5]), committed_tokens=0,
                                 stats=GenerationStats(), device=dev)
     guard = decoding._PlainGuard()
-    guard.begin(run)
-    run.committed_tokens = 3
-    guard.end(run)
-    assert as_cuda == [("sync", dev), ("guard", None)] * 2
-    assert guard.tok["spec"] == 3  # the round was measured
+    for committed in (1, 4):  # the first speculative round carries the setup (not measured), the second is measured
+        guard.begin(run)
+        run.committed_tokens = committed
+        guard.end(run)
+    assert as_cuda == [("sync", dev), ("guard", None)] * 4
+    assert guard.tok["spec"] == 3  # the second round was measured
 
 
 def _costly_clock(monkeypatch, model) -> list:

@@ -403,6 +403,7 @@ class _AutoPolicy:
     def extend(self, other: "_AutoPolicy"):  # (the guard's timings stay: they are per token, not per row)
         for name in self.ROW_STATE:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.guard.joined()
 
     def keep_rows(self, idx: torch.Tensor):
         idx = idx.cpu()

@@ -33,9 +33,15 @@ class _PlainGuard:
     explorations to move); an arm's cost is seconds / tokens. While both arms are measured the round runs the
     cheaper one, speculation while it costs at most MARGIN more per token, except that the other arm is measured
     again (one round) once EXPLORE times its last round's seconds have gone to the one in use; while `plain` is not
-    yet measured, the round after WARM speculative rounds is plain. So exploring takes at most ~1/EXPLORE of the
-    time, and a user ends up within MARGIN of plain decoding's speed where speculation loses (the warm-up's WARM
-    rounds aside), whatever the calibration predicted.
+    yet measured, the round after the setup round (below) and WARM measured speculative rounds is plain. So
+    exploring takes at most ~1/EXPLORE of the time, and a user ends up within MARGIN of plain decoding's speed where
+    speculation loses (the setup and warm-up rounds aside), whatever the calibration predicted.
+    The first speculative round after rows start (the run's start; rows joining a server's run: `joined`) runs
+    but is not measured: it carries their one-time setup, which plain rounds never pay and later speculative rounds
+    do not repeat (an EAGLE-3 drafter's pass over the whole prompt, its context). Measured, it made speculation
+    look dear from the start: on a 769-token Spec-Bench summarisation prompt (SmolLM2 bf16, the shipped drafter,
+    one thread) the first round took 103 ms for 1 token against 37-45 ms for later ones and 41 ms for a plain
+    round, and the guard, comparing after two speculative rounds, decoded 47 of the prompt's 95 rounds plainly.
     Why per arm and why a margin: a speculative round's yield varies widely (a lookup copies 8 tokens or none; a
     tree round commits 1 token or 5), plain rounds cost the same every time, and only the arm in use is measured
     often. Decayed per round of either arm, a single exploring round outweighed every speculative round before it,
@@ -48,7 +54,7 @@ class _PlainGuard:
 
     DECAY = 0.9  # per later round of the same arm
     EXPLORE = 16  # the arm not in use is measured again once EXPLORE of its rounds' time went to the other
-    WARM = 2  # speculative rounds before the first plain measurement
+    WARM = 1  # measured speculative rounds (after the unmeasured setup round) before the first plain measurement
     MARGIN = 0.15  # speculation yields to plain rounds only when measured dearer per token by more than this
     clock = staticmethod(time.perf_counter)
 
@@ -61,6 +67,11 @@ class _PlainGuard:
         self.round = 0
         self.elapsed = 0.0  # seconds of every measured round
         self._open = None  # (arm, start time, committed tokens at the start)
+        self.setup = True  # the next speculative round carries new rows' one-time setup: not measured
+
+    def joined(self) -> None:
+        """Rows joined the run (continuous batching): their setup falls in the next speculative round."""
+        self.setup = True
 
     def _now(self, run) -> float:
         """`clock()` once the run's device has done its queued work (a GPU's kernels run asynchronously)."""
@@ -103,6 +114,9 @@ class _PlainGuard:
         arm, t0, n0 = self._open
         self._open = None
         seconds, tokens = self._now(run) - t0, run.committed_tokens - n0
+        if arm == "spec" and self.setup:
+            self.setup = False
+            return
         if tokens <= 0:
             return
         self.sec[arm] = self.DECAY * self.sec[arm] + seconds
