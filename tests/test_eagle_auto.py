@@ -209,6 +209,7 @@ def _start_plain(monkeypatch, lookup: bool = True, topk: bool = False, shadow_ev
 
     monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
     monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", shadow_every)
+    monkeypatch.setattr(_AutoPolicy, "SHADOW_SHARE", float("inf"))  # (the budget has its own test)
     monkeypatch.setattr(_EagleDrafting, "_eagle_shadow", lambda *a: calls.append(1) or shadow(*a))
     return calls
 
@@ -241,6 +242,35 @@ def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, s
         assert 0 < lv.accepted < lv.proposed  # drafts accepted and rejected
 
 
+def test_a_switched_off_drafters_shadow_passes_stay_within_their_budget(monkeypatch):
+    """Rows that decode plainly measure their drafter only while the shadow passes' predicted cost stays within
+    SHADOW_SHARE of what the rounds so far cost plainly: the first pass, over every row's whole prompt (the
+    drafter's context, padded to the longest), waits until the rounds have paid for it, so a drafter that is
+    never switched on costs plain decoding at most that share. Output is plain decoding's either way."""
+    from hispec.decoding.auto import _AutoPolicy
+
+    calls = _start_plain(monkeypatch, lookup=False)  # every row plain, a shadow every plain verification
+    policies, init = [], _AutoPolicy.__init__
+    monkeypatch.setattr(_AutoPolicy, "__init__", lambda self, *a, **kw: init(self, *a, **kw) or policies.append(self))
+    model = _with_drafter()
+    cal = _drafter_priors(model, eagle=0.9)
+    steep = {T: 2e-4 * (1 + 0.1 * int(T)) for T in cal.costs["drafter"]}  # a drafter pass grows with its entries
+    model.hispec_config.calibration = dataclasses.replace(cal, costs={**cal.costs, "drafter": steep}).to_dict()
+    ids = torch.randint(3, 97, (3, 40), generator=torch.Generator().manual_seed(2))
+    ref = model.generate(ids, max_new_tokens=48, strategy="ar").sequences
+    out = model.generate(ids, max_new_tokens=48, strategy="auto")  # no budget (`_start_plain`)
+    assert torch.equal(out.sequences, ref)
+    unbudgeted, first = len(calls), policies[-1]
+    monkeypatch.setattr(_AutoPolicy, "SHADOW_SHARE", 0.05)
+    calls.clear()
+    out = model.generate(ids, max_new_tokens=48, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    p = policies[-1]
+    assert 0 < p.shadow_seconds <= 0.05 * p.rounds_seconds, (p.shadow_seconds, p.rounds_seconds)
+    assert first.shadow_seconds > 0.05 * first.rounds_seconds  # (without the budget it spends more)
+    assert 0 < len(calls) < unbudgeted, (len(calls), unbudgeted)
+
+
 def test_a_switched_off_drafter_is_measured_in_the_shadow_and_switched_back_on(monkeypatch):
     """Rows that decode plainly keep measuring the drafter (every SHADOW_EVERY-th plain verification: its context
     caught up, its proposal compared with the full model's token). fp32: each shadow measurement is exactly the
@@ -259,6 +289,7 @@ def test_a_switched_off_drafter_is_measured_in_the_shadow_and_switched_back_on(m
         self.rej.fill_(self.PRIOR)
 
     monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
+    monkeypatch.setattr(_AutoPolicy, "SHADOW_SHARE", float("inf"))  # (the budget has its own test)
     seen = []
     shadow = _EagleDrafting._eagle_shadow
 
