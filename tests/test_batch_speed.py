@@ -46,3 +46,27 @@ def test_batch_speed_refuses_batch_sizes_that_do_not_divide_the_prompts(capsys):
     with pytest.raises(SystemExit):
         tool.main(["--model", "unused", "--num-prompts", "6", "--batch-sizes", "4"])
     assert "divide" in capsys.readouterr().err
+
+
+def test_batch_speed_runs_fixed_hierarchies_and_refuses_a_drafter_the_checkpoint_lacks(tmp_path, capsys):
+    """`--strategies` takes any named hierarchy (`ngram`, `self-spec`, ...: the sources of a batch's speed), each
+    checked against plain decoding; `eagle` on a checkpoint without a drafter is refused before any timing."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", tokenizer=char_tokenizer())
+    folder = model.save(tmp_path / "ck")  # no calibration: fine without `auto`
+    tool = load_tool("batch_speed")
+    assert tool.main(["--model", str(folder), "--prompts", str(prompts), "--num-prompts", "4", "--batch-sizes", "2",
+                      "--max-new-tokens", "10", "--dtype", "fp32", "--no-pack",
+                      "--strategies", "ar,ngram,self-spec"]) == 0
+    res = {r["strategy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]}
+    assert set(res) == {"ar", "ngram", "self-spec"}
+    assert all(r["identical_to_ar"] == 4 and r["new_tokens"] > 0 for r in res.values())
+    assert res["self-spec"]["plan"] == "L2>full" and res["ngram"]["plan"] == "ngram>full"  # (the hierarchy run)
+    with pytest.raises(SystemExit):
+        tool.main(["--model", str(folder), "--prompts", str(prompts), "--num-prompts", "4", "--batch-sizes", "2",
+                   "--strategies", "ar,eagle"])
+    assert "need an EAGLE-3 drafter" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["--model", str(folder), "--strategies", "ar,nonsense"])
+    assert "unknown strategies ['nonsense']" in capsys.readouterr().err

@@ -10,7 +10,11 @@
   (`Calibration.at_batch`): a compute-bound batch pays for every extra verified position, so speculation that wins
   alone can lose there, and `auto` then decodes plainly;
 - `auto-batch-blind`: the same policy priced as if every row were alone (the rule before `at_batch` and the
-  batch's round, `_AutoPolicy._batch_pays`), to show what batch-aware pricing changes.
+  batch's round, `_AutoPolicy._batch_pays`), to show what batch-aware pricing changes;
+- on request (`--strategies`), any fixed hierarchy of hispec's (`ngram`, `self-spec`, `eagle`, `eagle-lookup`,
+  ...: `hispec.decoding.levels.NAMED`), to split a batch's speed into its sources (kernels: `ar` over `hf`; the
+  lookup: `ngram`; a drafter: `eagle`) and to see what `auto` declined; one the checkpoint cannot run (`eagle`
+  without a drafter) is refused before any timing.
 Strategies run interleaved per batch (rotated order), so machine drift hits all alike. Two speeds per row: the
 whole call (prefill included: what a user waits for) and decoding alone (new tokens after each row's first, over
 the seconds after the prefill: hispec's `GenerationStats.prefill_seconds`; for `hf` the time of its first logits
@@ -65,9 +69,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in STRATEGIES]
+    from hispec.decoding.levels import NAMED
+
+    known = STRATEGIES + tuple(n for n in NAMED if n not in STRATEGIES)
+    bad = [s for s in strategies if s not in known]
     if bad or not strategies:
-        p.error(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+        p.error(f"unknown strategies {bad}; choose from {', '.join(known)}")
     if not sizes or min(sizes) < 1 or any(args.num_prompts % b for b in sizes):
         p.error(f"--batch-sizes must be >= 1 and divide --num-prompts ({args.num_prompts}), got {sizes}")
 
@@ -86,6 +93,10 @@ def main(argv=None) -> int:
     model = hispec.load(args.model, dtype=args.dtype, device=args.device, pack=False if args.no_pack else None)
     if not getattr(model.hispec_config, "calibration", None) and any(s.startswith("auto") for s in strategies):
         p.error(f"{args.model} holds no calibration: run `hispec-bench --model {args.model} --calibrate` first")
+    drafted = [s for s in strategies if any("eagle3" in lv for lv in NAMED.get(s, ()))]
+    if drafted and model.drafter is None:
+        p.error(f"{', '.join(drafted)} need an EAGLE-3 drafter and {args.model} has none "
+                "(hispec-export RUN --drafter DRAFTER_RUN)")
     tok = model.tokenizer
     texts = [pr.text for pr in spread_over_categories(load_prompts(args.prompts), args.num_prompts)]
     eos = set(eos_ids(generation_config=model.base.generation_config))  # what both decoders stop at
