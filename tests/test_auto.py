@@ -342,6 +342,33 @@ def test_the_guard_keeps_speculating_where_it_pays(monkeypatch, tree):
     assert cost < 0.7 * ar, (cost, ar)
 
 
+def test_a_batch_chosen_plain_chooses_again_every_few_rounds(monkeypatch):
+    """A compute-bound batch (passes cost their positions past 4) under drafts the model always accepts: every
+    row of 4 is chosen plain at the batch's prices, so the policy chooses again only every REDECIDE_PLAIN-th
+    round (the choice per row is most of its own cost there); one row alone speculates and chooses every round.
+    Output is plain decoding's either way."""
+    model = _wrap(_oracle(tiny_model("llama"), 2), head_type="shared", draft=2, verify=4)
+    cal = _calibrated(model, _self_spec_only, 0.0, realistic=True)
+    shape = {T: max(1.0, T / 4) for T in cal.costs["layer"]}
+    cal = dataclasses.replace(cal, costs={**cal.costs, "layer": {T: 1e-3 * c for T, c in shape.items()},
+                                          "final": {T: 2e-3 * c for T, c in shape.items()}})
+    model.hispec_config.calibration = cal.to_dict()
+    calls = []
+    chain = decoding._AutoPolicy._choose_chain
+    monkeypatch.setattr(decoding._AutoPolicy, "_choose_chain", lambda self, *a: calls.append(1) or chain(self, *a))
+    ids, am = _ragged(4, 9)
+    ref = _hf_greedy(model.base, ids, am, 30)
+    out = model.generate(ids, am, max_new_tokens=30, strategy="auto")
+    assert torch.equal(out.sequences, ref)
+    rounds = out.stats.row_rounds // 4
+    assert out.stats.plain_row_rounds == out.stats.row_rounds and rounds >= 20
+    assert len(calls) == -(-rounds // decoding._AutoPolicy.REDECIDE_PLAIN), (len(calls), rounds)
+    calls.clear()
+    alone = model.generate(ids[:1], am[:1], max_new_tokens=30, strategy="auto")
+    assert torch.equal(alone.sequences, _hf_greedy(model.base, ids[:1], am[:1], 30))
+    assert alone.stats.plain_row_rounds < alone.stats.row_rounds and len(calls) == alone.stats.row_rounds
+
+
 def _guard_rounds(guard, run, rounds: int, setup: list, clock: list) -> list[str]:
     """Drive `guard` through `rounds` rounds in which the rule always speculates: a speculative round costs 1.2 and
     commits 2 tokens (0.6 per token), plus 5 for a pending setup (`setup[0]`, then cleared), a plain one costs 1 and
