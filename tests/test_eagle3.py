@@ -145,6 +145,15 @@ def test_int8_storage_is_a_quarter_of_fp32_and_drafts_what_the_float_drafter_dra
                                             "int8"]) == 0
     assert load_tool("pack_artifact").main([str(tmp_path / "f"), str(tmp_path / "g"), "--gamma", "2"]) == 2
     assert not (tmp_path / "g").exists()  # (exit-head options refused for a drafter run, nothing written)
+    assert load_tool("pack_artifact").main([str(tmp_path / "f"), str(tmp_path / "h"), "--drafter-dtype", "bf16"]) == 0
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "h" / "hispec_drafter.safetensors"))  # bf16 on disk: half the file
+    assert stored and all(v.dtype == torch.bfloat16 for v in stored.values() if v.is_floating_point())
+    half, _ = load_drafter(tmp_path / "h")  # loaded back: the weights rounded to bf16
+    assert all(torch.equal(half.state_dict()[k], v.to(torch.bfloat16).float()) for k, v in d.state_dict().items()
+               if v.is_floating_point() and not k.startswith("rotary_emb."))
+    assert json.loads((tmp_path / "h" / "hispec_drafter.json").read_text())["ttt_steps"] == 3
     meta = json.loads((tmp_path / "q" / "hispec_drafter.json").read_text())
     assert meta["version"] == 2 and meta["storage"] == "int8" and meta["ttt_steps"] == 3
     assert json.loads((tmp_path / "f" / "hispec_drafter.json").read_text())["version"] == 1

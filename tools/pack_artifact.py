@@ -14,6 +14,7 @@ heads are exactly what that export would have produced.
     python tools/pack_artifact.py runs/my-run recipes/artifacts/my-model --gamma 1 --window 2 --heads-dtype bf16
     python tools/pack_artifact.py runs/qwen2.5-coder-1.5b-eagle3 recipes/artifacts/qwen2.5-coder-1.5b-instruct/eagle3 \
         --drafter-storage int8       # an EAGLE-3 drafter run (hispec_drafter.*): its weights as per-row int8
+    python tools/pack_artifact.py runs/my-drafter-run recipes/artifacts/smollm2-135m/eagle3 --drafter-dtype bf16
     python tools/pack_artifact.py recipes/artifacts/smollm2-135m recipes/artifacts/smollm2-135m \\
         --draft-vocab-size 8192 --verify-vocab-size 8192 --gamma 2 --window 4
 """
@@ -67,14 +68,16 @@ def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_siz
     return hispec
 
 
-def pack_drafter(run_dir, out_dir, *, storage: str = "float") -> dict:
+def pack_drafter(run_dir, out_dir, *, storage: str = "float", dtype: str | None = None) -> dict:
     """An EAGLE-3 drafter run (`hispec_drafter.*`, `hispec.eagle3`) as an artifact: the drafter rewritten with
     `storage` ("int8": per-row int8 weights, `hispec.eagle3.quantize_int8`, a quarter of fp32 and loaded back as
-    floats), every other file of the run folder copied (not checkpoints); atomic like `pack`. -> its json."""
+    floats) and, for float storage, in `dtype` ("bf16": half of fp32; None: as the run stored it), every other file
+    of the run folder copied (not checkpoints); atomic like `pack`. -> its json."""
     from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE, load_drafter, save_drafter
+    from hispec.io import parse_dtype
 
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
-    drafter, meta = load_drafter(run_dir)
+    drafter, meta = load_drafter(run_dir, dtype=parse_dtype(dtype) if dtype else None)
     extra = {k: v for k, v in meta.items() if k not in ("format", "version", "config", "base", "storage")}
     with atomic_dir(out_dir, overwrite=True) as tmp:
         tmp = Path(tmp)
@@ -102,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads-dtype", help="store the heads as fp32 or bf16 (default: as the run stored them)")
     p.add_argument("--drafter-storage", choices=["float", "int8"], default="float",
                    help="an EAGLE-3 drafter run: store its weights as floats (default) or per-row int8")
+    p.add_argument("--drafter-dtype", choices=["fp32", "bf16"],
+                   help="an EAGLE-3 drafter run, float storage: the weights' dtype (default: as the run stored them)")
     args = p.parse_args(argv)
     from hispec.eagle3 import is_drafter_run
 
@@ -112,10 +117,13 @@ def main(argv=None) -> int:
         given = [k for k, v in heads_only.items() if v is not None]
         if given:
             print(f"pack_artifact: error: {', '.join(given)} apply to exit-head runs; {args.run} is an EAGLE-3 "
-                  "drafter run (only --drafter-storage applies)", file=sys.stderr)
+                  "drafter run (only --drafter-storage / --drafter-dtype apply)", file=sys.stderr)
+            return 2
+        if args.drafter_dtype and args.drafter_storage == "int8":
+            print("pack_artifact: error: --drafter-dtype applies to float storage, not int8", file=sys.stderr)
             return 2
         try:
-            meta = pack_drafter(args.run, args.output, storage=args.drafter_storage)
+            meta = pack_drafter(args.run, args.output, storage=args.drafter_storage, dtype=args.drafter_dtype)
         except (OSError, ValueError) as e:
             print(f"pack_artifact: error: {e}", file=sys.stderr)
             return 2
