@@ -210,6 +210,7 @@ def _start_plain(monkeypatch, lookup: bool = True, topk: bool = False, shadow_ev
     monkeypatch.setattr(_AutoPolicy, "__init__", pessimist)
     monkeypatch.setattr(_AutoPolicy, "SHADOW_EVERY", shadow_every)
     monkeypatch.setattr(_AutoPolicy, "SHADOW_SHARE", float("inf"))  # (the budget has its own test)
+    monkeypatch.setattr(_AutoPolicy, "REDECIDE_PLAIN", 1)  # every round (the cadence has its own test)
     monkeypatch.setattr(_EagleDrafting, "_eagle_shadow", lambda *a: calls.append(1) or shadow(*a))
     return calls
 
