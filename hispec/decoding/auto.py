@@ -62,7 +62,7 @@ class _AutoPolicy:
     together = True  # `_batch_pays`: the rows return together (`generate`), or each when done (a server: False)
     SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit or drafter (lookups: each)
     SHADOW_SHARE = 0.05  # a switched-off drafter's measurements may cost this share of the rounds' plain time
-    REDECIDE_PLAIN = 3  # a batch its round rule keeps plain chooses again every this many rounds (see `choose`)
+    REDECIDE_PLAIN = 3  # a batch whose every row was chosen plain chooses again every this many rounds (`choose`)
     MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
     def __init__(self, chain: list[Level], cal, B: int, device, *, max_gamma: int = 8, tree=None):
@@ -89,7 +89,7 @@ class _AutoPolicy:
         # the drafter's shadow budget, in the latency model's seconds: what the rounds so far would cost plainly,
         # and what the drafter's shadow passes cost (`_shadow_drafter`)
         self.rounds_seconds = self.shadow_seconds = 0.0
-        self.plain_batch = 0  # consecutive rounds the batch's round rule (`_batch_pays`) has kept plain
+        self.plain_batch = 0  # consecutive rounds every row of the batch (B > 1) was chosen plain
         # trees, greedy: per row a decayed count of rounds whose model token is among the exit's top-k at the root,
         # for each distinct width k of the tree (`khit`, out of `kseen` rounds; prior: the calibration's r(k))
         self.kwidths = sorted(set(tree.widths)) if tree is not None else []
@@ -413,8 +413,7 @@ class _AutoPolicy:
             self.rounds_seconds += self.cal.step_overhead + self.latency.batch_pass_seconds(self.cal, B, 1)
         if self.plain_batch % self.REDECIDE_PLAIN:  # (0: not plain, or its turn to choose again)
             self.plain_batch += 1
-            run.gam = [torch.zeros_like(g) for g in run.gam]
-            run.lookup_only = torch.zeros_like(run.lookup_only)
+            self._all_plain(run)
             run.stats.row_rounds += B
             run.stats.plain_row_rounds += B
             return
@@ -425,14 +424,19 @@ class _AutoPolicy:
         choose = self._choose_tree if self.tree is not None else self._choose_chain
         alone = choose(run, cal, alphas, lookup, match)  # (how many rows draft by the lookup alone)
         if self.tree is None and K == 1 and B > 1 and not self._batch_pays(run, alphas, lookup, match):
-            run.gam = [torch.zeros_like(g) for g in run.gam]  # the batch's round: plain for every row
-            run.lookup_only = torch.zeros_like(run.lookup_only)
+            self._all_plain(run)  # the batch's round: plain for every row
             self.lowest.fill_(K)
             alone = 0
         self.plain_batch = self.plain_batch + 1 if B > 1 and bool((self.lowest == K).all()) else 0
         run.stats.row_rounds += alphas.shape[0]
         run.stats.plain_row_rounds += int((self.lowest == K).sum())
         run.stats.lookup_only_row_rounds += alone
+
+    @staticmethod
+    def _all_plain(run: _Run):
+        """Every row decodes plainly this round."""
+        run.gam = [torch.zeros_like(g) for g in run.gam]
+        run.lookup_only = torch.zeros_like(run.lookup_only)
 
     def extend(self, other: "_AutoPolicy"):  # (the guard's timings stay: they are per token, not per row)
         for name in self.ROW_STATE:
