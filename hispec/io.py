@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -141,3 +142,14 @@ def matmul_speed_ratio(dtype=torch.bfloat16, size: int = 256, device="cpu") -> f
             best = min(best, time.perf_counter() - t0)
         times[dt] = best
     return times[dtype] / max(times[torch.float32], 1e-9)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -26,6 +26,16 @@ its top two logits tie to that precision, like bf16's batch effects (the benchma
 fp32 and reports its margin). hispec's own decoding is lossless with respect to the model it runs: packed or not,
 speculative output equals that model's plain greedy output (tested per family).
 
+Where it pays is measured, not assumed. On a 2-core Intel Xeon with AMX (session 27, torch 2.13, one thread)
+transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock speed packed in fp32 but 1.29x in bf16,
+and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
+is the whole model streaming its weights. So the default (`pack=None`) packs the model, times its own forward over
+1 and 4 positions (`speed_ratio`: packed against `stock()`, interleaved, best of 3; ~1 s for SmolLM2 in fp32, a
+few for a 1.5B model), and keeps the packed kernels only where they took at most `PAYS_BELOW` of the stock time;
+the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
+that only the first load measures (`measured_ratio` reads it).
+`pack=True` / `--pack` and `pack=False` / `--no-pack` decide as told.
+
 Memory: the packed copy sits beside the weight (the `weight` Parameter stays, so tying, `state_dict`, saving and
 every reader of `.weight` are unchanged), i.e. about twice the linear layers' weight memory. Packing by default
 must never make a model that fits fail to run, so `apply(model)` (pack=None) leaves the stock kernels in place, with
@@ -37,17 +47,24 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import os
+import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from .io import cpu_model, write_json
 
 KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorded in latency calibrations)
 STOCK = "stock"
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
 MEMORY_SHARE = 0.7  # default packing only when the copies fit in this share of the available memory
+PAYS_BELOW = 0.85  # default packing only where a packed product takes at most this share of the stock one's time
+_pays: dict[tuple, float] = {}  # _pays_key(module) -> speed_ratio, measured once per process
 _enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
 _available: bool | None = None
 
@@ -172,8 +189,9 @@ def for_generation(module: nn.Module):
     (one thread, 2-core AMD EPYC Zen 4; 32 rows: 1.09x, where the products are compute-bound either way); the sums
     run in another order (see Exactness above), so a greedy or sampled token can differ where two logits are within
     ~1e-4: generated data is the model's either way, but not bit-reproducible across packed / stock kernels. Does
-    nothing where packing would not apply (`wanted(None, ...)`: another device or dtype, no oneDNN) or where the
-    copies would not fit in `MEMORY_SHARE` of the available memory. Yields how many linears it packed."""
+    nothing where packing would not apply (`wanted(None, ...)`: another device or dtype, no oneDNN), where the
+    copies would not fit in `MEMORY_SHARE` of the available memory, or where it does not pay on this CPU (measured
+    as `pack_if_it_pays` does). Yields how many linears it packed."""
     params = list(module.parameters())
     swapped = []
     try:  # (a swap interrupted half-way is undone too)
@@ -185,15 +203,110 @@ def for_generation(module: nn.Module):
                         if type(child) is nn.Linear and child.weight.dtype in PACK_DTYPES:
                             swapped.append((parent, name, child))
                             setattr(parent, name, PackedLinear.wrap(child))
+                if _ratio_for(module) > PAYS_BELOW:  # no gain on this CPU: the stock kernels again
+                    for parent, name, child in reversed(swapped):
+                        setattr(parent, name, child)
+                    swapped = []
         yield len(swapped)
     finally:
         for parent, name, child in reversed(swapped):
             setattr(parent, name, child)
 
 
+def unpack(module: nn.Module) -> int:
+    """Undo `pack`: every `PackedLinear` under `module` becomes an `nn.Linear` with the very same Parameters and
+    hooks again; returns how many."""
+    n = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                plain.train(child.training)
+                plain._forward_hooks.update(child._forward_hooks)
+                plain._forward_pre_hooks.update(child._forward_pre_hooks)
+                setattr(parent, name, plain)
+                n += 1
+    return n
+
+
+def _pays_key(module: nn.Module) -> tuple:
+    p = next(module.parameters())
+    return (type(module).__name__, sum(q.numel() for q in module.parameters()), p.dtype, torch.get_num_threads())
+
+
+def speed_ratio(module: nn.Module, rows=(1, 4), repeats: int = 3) -> float:
+    """Time of a causal LM's forward (random token ids, no cache; `rows` positions, times summed, each the best of
+    `repeats`) with its linears prepacked over the time with the stock kernels, on this CPU at the current thread
+    count: < 1 where packing is faster. Packs `module` (in place) to measure and leaves it packed."""
+    pack(module)
+    vocab = module.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, vocab, (1, t), generator=g) for t in rows]
+    best = {True: [float("inf")] * len(xs), False: [float("inf")] * len(xs)}
+    with torch.no_grad():
+        for x in xs:  # warm-up: the packed copies are made here
+            module(input_ids=x, use_cache=False)
+        for _ in range(repeats):
+            for i, x in enumerate(xs):
+                for packed_kernels in (False, True):  # interleaved: a busy neighbour slows both alike
+                    with contextlib.nullcontext() if packed_kernels else stock():
+                        t0 = time.perf_counter()
+                        module(input_ids=x, use_cache=False)
+                        best[packed_kernels][i] = min(best[packed_kernels][i], time.perf_counter() - t0)
+    return sum(best[True]) / max(sum(best[False]), 1e-12)
+
+
+def memo_path() -> Path | None:
+    """Where measured ratios persist between processes: `$HISPEC_CACHE_DIR/packing.json`, else
+    ~/.cache/hispec/packing.json (keyed by CPU model, torch version, architecture, size, dtype and threads)."""
+    root = os.environ.get("HISPEC_CACHE_DIR") or Path.home() / ".cache" / "hispec"
+    return Path(root).expanduser() / "packing.json"
+
+
+def _ratio_for(module: nn.Module) -> float:
+    """`speed_ratio(module)`, measured once per process and machine (see `memo_path`); packs `module` when it
+    measures."""
+    key = _pays_key(module)
+    if key in _pays:
+        return _pays[key]
+    path = memo_path()
+    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key)])
+    try:
+        memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        memo = {}  # unreadable: measure again and rewrite it
+    if not isinstance(memo.get(disk_key), (int, float)):
+        memo[disk_key] = speed_ratio(module)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(path, memo)
+            except OSError:
+                pass  # a read-only home: the answer still holds for this process
+    _pays[key] = float(memo[disk_key])
+    return _pays[key]
+
+
+def pack_if_it_pays(module: nn.Module) -> bool:
+    """Pack `module` (a causal LM on CPU) and keep it packed only where `speed_ratio` <= `PAYS_BELOW` (measured once
+    per machine for its architecture, size, dtype and thread count: `_ratio_for`); returns whether it stays
+    packed."""
+    if _ratio_for(module) <= PAYS_BELOW:
+        pack(module)
+        return True
+    unpack(module)
+    return False
+
+
+def measured_ratio(module: nn.Module) -> float | None:
+    """The `speed_ratio` measured for a module like `module` (architecture, size, dtype, threads), or None."""
+    return _pays.get(_pays_key(module))
+
+
 def wanted(pack_arg, device, dtype) -> bool:
     """Resolve a `pack=` argument: True / False as given; None ("auto") packs on CPU in fp32 / bf16 when this torch
-    can."""
+    can (whether it then pays on this CPU is `pack_if_it_pays`'s measurement)."""
     if pack_arg is not None:
         return bool(pack_arg)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -226,7 +339,8 @@ def available_memory() -> int | None:
 def apply(model, pack_arg=None):
     """Pack an `EarlyExitModel`'s base and heads when `wanted(pack_arg, ...)`; returns the model. With pack_arg None
     (the default) a model whose packed copies would not fit in `MEMORY_SHARE` of the available memory stays
-    unpacked, with a warning (plain kernels are slower; running out of memory is worse)."""
+    unpacked, with a warning (plain kernels are slower; running out of memory is worse), and so does one whose
+    packed forward is not faster on this CPU (`pack_if_it_pays`)."""
     if wanted(pack_arg, model.device, model.dtype):
         if pack_arg is None:
             need, free = packed_bytes(model.base) + packed_bytes(model.heads), available_memory()
@@ -235,6 +349,8 @@ def apply(model, pack_arg=None):
                               f"{need / 2**30:.1f} GiB and the system has {free / 2**30:.1f} GiB available; "
                               "decoding uses the stock kernels (hispec.load(..., pack=True) packs regardless)",
                               stacklevel=2)
+                return model
+            if not pack_if_it_pays(model.base):  # heads and drafter follow the base's measured answer
                 return model
         pack(model.base)
         pack(model.heads)
@@ -254,13 +370,19 @@ def rows_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLin
 
 
 def add_argument(parser) -> None:
-    """The CLIs' `--no-pack` flag (hispec-generate, hispec-bench, hispec-serve); `pack_arg(args)` reads it."""
-    parser.add_argument("--no-pack", action="store_true",
-                        help="keep the stock linear kernels (default on CPU in fp32 / bf16: multiply through "
-                             "oneDNN-prepacked weights, hispec.packed; ~2x faster decoding, twice the linear "
-                             "weights' memory)")
+    """The CLIs' `--pack` / `--no-pack` flags (hispec-generate, hispec-bench, hispec-serve); `pack_arg(args)` reads
+    them."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--no-pack", action="store_true",
+                       help="keep the stock linear kernels (default on CPU in fp32 / bf16: multiply through "
+                            "oneDNN-prepacked weights, hispec.packed, where a ~50 ms check finds them faster on "
+                            "this CPU: ~2x faster decoding on AMD Zen 4, none on Xeons with AMX; twice the "
+                            "linear weights' memory)")
+    group.add_argument("--pack", action="store_true",
+                       help="multiply through oneDNN-prepacked weights even where the check finds no gain")
 
 
 def pack_arg(args) -> bool | None:
-    """`pack=` for `hispec.load` / `apply` from parsed CLI args: False with --no-pack, else None (auto)."""
-    return False if args.no_pack else None
+    """`pack=` for `hispec.load` / `apply` from parsed CLI args: False with --no-pack, True with --pack, else None
+    (auto: measured)."""
+    return False if args.no_pack else (True if getattr(args, "pack", False) else None)

@@ -21,6 +21,17 @@ for _path in (str(TESTS_DIR), str(REPO_ROOT)):
         sys.path.insert(0, _path)
 
 
+# Whether prepacked linears are the default is measured per CPU (`hispec.packed.pack_if_it_pays`); the suite runs on
+# CPUs where they pay and where they do not, so every test (and session fixture) gets the same answer: they pay, and
+# the packed kernels stay in every lossless test. Nothing is read from or left in the home folder. Tests of the
+# decision install their own `speed_ratio` (the real one: REAL_SPEED_RATIO).
+from hispec import packed as _packed  # noqa: E402
+
+REAL_SPEED_RATIO = _packed.speed_ratio
+_packed.speed_ratio = lambda module, *args, **kwargs: 0.5
+_packed.memo_path = lambda: None
+
+
 def load_tool(script: str):
     """tools/ is not a package: load tools/<script>.py by path (once; shared through sys.modules)."""
     name = f"hispec_tools_{script}"

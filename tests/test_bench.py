@@ -236,6 +236,13 @@ def test_speedup_is_the_median_of_side_by_side_ratios_and_a_mismatch_breaks_iden
     assert summary.lossless is False and summary.lossless_up_to_ties is False
     assert summary.categories["b"]["strategies"]["hispec"]["identical"] == 0.0
     assert summary.per_prompt[2]["strategies"]["hispec"]["first_mismatch"] == 2
+    records[2].own_margins["hispec"] = (0.5, 0.125)  # and 4 ulps apart in the model's own dtype: still an error
+    assert bench.summarize(result).lossless_up_to_ties is False
+    records[2].own_margins["hispec"] = (0.0625, 0.125)  # tied at the model's own resolution (bf16, logits ~11)
+    summary = bench.summarize(result)
+    assert summary.lossless is False and summary.lossless_up_to_ties is True
+    assert "own-dtype margin +0.062" in bench.format_table(summary)
+    del records[2].own_margins["hispec"]
     records[2].margins["hispec"] = 0.1  # a near-tie: lossless up to rounding, not bit-identical
     summary = bench.summarize(result)
     assert summary.lossless is False and summary.lossless_up_to_ties is True
@@ -249,6 +256,12 @@ def test_tie_checker_reports_the_fp32_margin_at_the_first_divergence(checkpoint)
     top2 = logits.topk(2).indices.tolist()
     margin = bench.TieChecker(model).margin(ids, torch.ones_like(ids), [top2[0]], [top2[1]])
     assert margin == pytest.approx(float(logits[top2[0]] - logits[top2[1]]), abs=1e-5) and margin >= 0
+    own, ulps = bench.TieChecker(model).own_margin(ids, torch.ones_like(ids), [top2[0]], [top2[1]])
+    assert own == pytest.approx(margin, abs=1e-5) and 0 < ulps < 1e-5  # fp32: two ulps loosen nothing
+    half = hispec.load(checkpoint, dtype="bf16")
+    own, ulps = bench.TieChecker(half).own_margin(ids, torch.ones_like(ids), [top2[0]], [top2[1]])
+    top = float(half.base(ids).logits[0, -1].float().abs().max())
+    assert 2 * 2.0 ** -8 * top <= ulps <= 2 * 2.0 ** -7 * top  # 2 units in bf16's last place (7 mantissa bits)
 
 
 # ---------------------------------------------------------------------------------------------- sweep

@@ -4,9 +4,11 @@ the stock fallback, and the calibration's record of which kernels it timed."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
+from conftest import REAL_SPEED_RATIO
 from tiny import FAMILIES, tiny_model
 
 import hispec
@@ -140,6 +142,68 @@ def test_sampling_on_a_packed_model_keeps_its_distribution():
     for strategy in ("hispec", "self-spec-lookup"):
         samples = _draw(model, prompt, n, warp, strategy, draws=6000, seed=11)
         assert _chi2_pvalue(samples, outcomes, probs) > 1e-4, strategy
+
+
+def test_default_packing_follows_the_measured_speed_ratio_on_this_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(packed, "_pays", {})  # as in a new process
+    folder = _wrap(tiny_model("llama")).save(tmp_path / "ck")
+    calls = []
+
+    def ratio(value):
+        def measure(module, *args, **kwargs):
+            calls.append(module.dtype)
+            packed.pack(module)  # as the real one leaves it
+            return value
+        return measure
+
+    monkeypatch.setattr(packed, "speed_ratio", ratio(0.97))  # e.g. fp32 on a Xeon with AMX: stock kernels
+    model = hispec.load(folder)
+    assert packed.kind(model.base) == packed.STOCK and packed.kind(model.heads) == packed.STOCK
+    assert not any(isinstance(m, packed.PackedLinear) for m in model.base.modules())  # unpacked after measuring
+    assert packed.kind(hispec.load(folder, pack=True).base) == packed.KIND  # asked for: packed regardless
+    assert packed.measured_ratio(model.base) == 0.97
+    ids, am = _ids()
+    assert torch.equal(model.generate(ids, am, max_new_tokens=8, strategy="hispec").sequences,
+                       _hf(model.base, ids, am, 8))
+    hispec.load(folder)
+    assert calls == [torch.float32]  # measured once per process for this architecture, size, dtype, threads
+    with packed.for_generation(tiny_model("llama")) as n:  # the data generator follows the same answer
+        assert n == 0
+    monkeypatch.setattr(packed, "_pays", {})
+    monkeypatch.setattr(packed, "speed_ratio", ratio(packed.PAYS_BELOW - 0.01))
+    model = hispec.load(folder)
+    assert packed.kind(model.base) == packed.KIND and packed.kind(model.heads) == packed.KIND
+    with packed.for_generation(tiny_model("llama")) as n:
+        assert n > 0
+
+
+def test_the_measured_ratio_is_kept_on_disk_so_only_the_first_process_measures(tmp_path, monkeypatch):
+    memo = tmp_path / "cache" / "packing.json"
+    monkeypatch.setattr(packed, "memo_path", lambda: memo)
+    monkeypatch.setattr(packed, "_pays", {})
+    calls = []
+    monkeypatch.setattr(packed, "speed_ratio", lambda module: calls.append(1) or 0.97)
+    folder = _wrap(tiny_model("llama")).save(tmp_path / "ck")
+    assert packed.kind(hispec.load(folder).base) == packed.STOCK and calls == [1]
+    assert list(json.loads(memo.read_text()).values()) == [0.97]
+    monkeypatch.setattr(packed, "_pays", {})  # a new process
+    assert packed.kind(hispec.load(folder).base) == packed.STOCK and calls == [1]
+    assert packed.kind(hispec.load(folder, dtype="bf16").base) == packed.STOCK and calls == [1, 1]  # another key
+    memo.write_text("{not json")  # damaged: measured again and rewritten
+    monkeypatch.setattr(packed, "_pays", {})
+    hispec.load(folder)
+    assert len(calls) == 3 and len(json.loads(memo.read_text())) == 1
+
+
+def test_the_speed_ratio_measurement_times_the_model_both_ways_and_unpack_restores_it():
+    base = tiny_model("llama")
+    before = {name: p for name, p in base.named_parameters()}
+    r = REAL_SPEED_RATIO(base, rows=(1, 2), repeats=1)
+    assert 0.01 < r < 100 and packed.kind(base) == packed.KIND
+    assert packed.unpack(base) > 0 and packed.kind(base) == packed.STOCK
+    assert all(type(m) is torch.nn.Linear for m in base.modules() if isinstance(m, torch.nn.Linear))
+    after = dict(base.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)  # the very same Parameters
 
 
 def test_load_packs_on_cpu_unless_told_not_to(tmp_path):

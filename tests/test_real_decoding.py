@@ -66,5 +66,6 @@ def test_bf16_ar_is_bit_identical_and_speculation_parts_only_at_rounding_ties(de
         assert model.generate(ids, mask, max_new_tokens=n_new, strategy="ar").new_tokens[0] == ref
         for strategy in ("self-spec", "hispec", "ngram-hispec", "self-spec-lookup"):
             new = model.generate(ids, mask, max_new_tokens=n_new, strategy=strategy, gamma=3, window=4).new_tokens[0]
-            margin = ties.margin(ids, mask, ref, new)
-            assert margin is None or abs(margin) < 0.5, f"{strategy} left hf at a clear (non-tie) margin {margin}"
+            margin, own = ties.margin(ids, mask, ref, new), ties.own_margin(ids, mask, ref, new)
+            assert margin is None or abs(margin) < 0.5 or abs(own[0]) <= own[1], \
+                f"{strategy} left hf at a clear (non-tie) margin: fp32 {margin}, bf16 {own}"

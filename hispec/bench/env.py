@@ -30,4 +30,5 @@ def model_info(model) -> dict:
             "num_layers": model.num_layers, "draft_layer": h.draft_layer, "verify_layer": h.verify_layer,
             "head_type": h.head_type, "gamma": h.gamma, "window": h.window,
             "draft_vocab_size": h.draft_vocab_size, "verify_vocab_size": h.verify_vocab_size,
-            "dtype": str(model.dtype).replace("torch.", ""), "linear": packed.kind(model.base)}
+            "dtype": str(model.dtype).replace("torch.", ""), "linear": packed.kind(model.base),
+            "packed_time_ratio": packed.measured_ratio(model.base)}

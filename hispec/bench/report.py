@@ -23,6 +23,9 @@ def format_table(summary: Summary) -> str:
         f"model {m['name_or_path']} ({m['num_layers']} layers, exits {m['draft_layer']}/{m['verify_layer']}, "
         f"{m['head_type']} heads, {m['dtype']}); {len(summary.per_prompt)} prompts x {cfg.max_new_tokens} new tokens, "
         f"{'greedy' if cfg.greedy else f'temperature {cfg.temperature}'}, repeats {cfg.repeats}",
+        f"linear kernels: {m.get('linear', '?')}" + ("" if m.get("packed_time_ratio") is None else
+                                                     f" (prepacked / stock product time here: "
+                                                     f"{m['packed_time_ratio']:.2f})"),
         f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}, transformers {hw['transformers']}",
         "",
         f"{'strategy':<17}{'tok/s':>8}{'vs hf':>8}{'vs s-s':>8}{'tok/pass':>9}{'acc L_i':>8}{'acc L':>7}"
@@ -77,12 +80,13 @@ def format_table(summary: Summary) -> str:
         lines.append(f"lossless (every strategy's new tokens identical to {summary.reference}'s): "
                      + ("yes" if summary.lossless else "NO"))
         lines.append(f"lossless up to rounding ties (first divergence at an fp32 logit margin <= "
-                     f"{summary.tie_tolerance:g}): " + ("yes" if summary.lossless_up_to_ties else "NO"))
-        diverged = [(p["index"], n, f["first_mismatch"], f["mismatch_margin"]) for p in summary.per_prompt
-                    for n, f in p["strategies"].items() if not f.get("identical", True)]
-        for i, n, k, margin in diverged[:12]:
+                     f"{summary.tie_tolerance:g}, or within 2 units in the last place of the model's own dtype): "
+                     + ("yes" if summary.lossless_up_to_ties else "NO"))
+        diverged = [(p["index"], n, f["first_mismatch"], f["mismatch_margin"], f.get("mismatch_own_margin"))
+                    for p in summary.per_prompt for n, f in p["strategies"].items() if not f.get("identical", True)]
+        for i, n, k, margin, own in diverged[:12]:
             lines.append(f"  prompt {i}: {n} left {summary.reference} at new token {k}, fp32 margin "
-                         f"{_f(margin, '{:+.3f}')}")
+                         f"{_f(margin, '{:+.3f}')}, own-dtype margin {_f(own, '{:+.3f}')}")
         if len(diverged) > 12:
             lines.append(f"  ... and {len(diverged) - 12} more (see --json-out)")
     return "\n".join(lines)

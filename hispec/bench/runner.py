@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -178,6 +179,8 @@ class PromptRecord:
     samples: dict[str, list[Sample]] = field(default_factory=dict)  # strategy -> one Sample per repeat
     # strategy -> fp32 logit margin (reference's token minus the strategy's) where it first left the reference
     margins: dict[str, float | None] = field(default_factory=dict)
+    # strategy -> (the same margin in the dtype the model runs in, TieChecker.ULPS of that dtype at those logits)
+    own_margins: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -374,7 +377,16 @@ class TieChecker:
     wherever the top two logits are closer than that rounding. The margin (reference's token minus the
     strategy's, fp32 logits of the reference model given the common prefix) separates such near-ties (|margin|
     tiny) from real errors (the strategy chose a clearly worse token).
+
+    `own_margin` asks the same in the dtype the model runs in (one pass over the common prefix, its own kernels): a
+    bf16 logit near 11 is a multiple of 1/16, so two tokens within `ULPS` units in the last place of each other
+    are tied at the model's own resolution, and another correct computation order can flip them even where the
+    fp32 model separates them by more than the fp32 tolerance (measured on a Xeon with AMX, SmolLM2 bf16: fp32
+    margin 0.63, bf16 margin 0.06 over the prefix and 0.125 over an 8-position pass). A wrong token is not within
+    a couple of its own ulps of the top.
     """
+
+    ULPS = 2
 
     def __init__(self, model):
         self.model = model
@@ -399,6 +411,22 @@ class TieChecker:
         with packed.stock():  # the reference's kernels (transformers' strategies run unpacked)
             logits = self._base32()(seq).logits[0, -1].float()
         return float(logits[ref[k]] - logits[other[k]])
+
+    @torch.no_grad()
+    def own_margin(self, ids: torch.Tensor, mask: torch.Tensor, ref: list[int], other: list[int]
+                   ) -> tuple[float, float] | None:
+        """(margin of the reference's token over the strategy's in the model's own dtype and kernels, `ULPS` units
+        in the last place of that dtype at the larger of the two logits), or None."""
+        k = _first_mismatch(other, ref)
+        if k is None or k >= min(len(ref), len(other)):
+            return None
+        prompt = ids[0][mask[0].bool()]
+        seq = torch.cat([prompt, torch.tensor(ref[:k], dtype=prompt.dtype, device=prompt.device)])[None]
+        logits = self.model.base(seq).logits[0, -1]
+        a, b = float(logits[ref[k]]), float(logits[other[k]])
+        top = max(abs(a), abs(b), torch.finfo(logits.dtype).tiny)
+        ulp = 2.0 ** math.floor(math.log2(top)) * torch.finfo(logits.dtype).eps
+        return a - b, self.ULPS * ulp
 
     def close(self):
         self._fp32 = None
@@ -491,7 +519,8 @@ def _run_all(attempts: _Attempts, encoded, records, config: BenchConfig, progres
 
 
 def _tie_margins(model, encoded, records, strategies) -> None:
-    """The fp32 margin at each greedy run's first divergence from the reference (`TieChecker`), into `records`."""
+    """The fp32 margin, and the margin in the model's own dtype, at each greedy run's first divergence from the
+    reference (`TieChecker`), into `records`."""
     ref = next((r for r in (REFERENCE, "ar") if r in strategies), None)
     if ref is None:
         return
@@ -502,6 +531,9 @@ def _tie_margins(model, encoded, records, strategies) -> None:
                 diverged = [x for x in rec.samples[s] if x.tokens != rec.samples[ref][0].tokens]
                 if diverged:
                     rec.margins[s] = checker.margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
+                    own = checker.own_margin(ids, mask, rec.samples[ref][0].tokens, diverged[0].tokens)
+                    if own is not None:
+                        rec.own_margins[s] = own
     checker.close()
 
 

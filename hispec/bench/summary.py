@@ -120,9 +120,11 @@ def _prompt_figures(rec: PromptRecord, ref: str | None, tol: float) -> dict[str,
             mism = [_first_mismatch(x.tokens, ref_tokens) for x in samples]
             fig["identical"] = all(m is None for m in mism)
             fig["first_mismatch"] = next((m for m in mism if m is not None), None)
-            margin = rec.margins.get(s)
+            margin, own = rec.margins.get(s), rec.own_margins.get(s)
             fig["mismatch_margin"] = margin
-            fig["identical_up_to_ties"] = fig["identical"] or (margin is not None and abs(margin) <= tol)
+            fig["mismatch_own_margin"] = None if own is None else own[0]
+            fig["identical_up_to_ties"] = (fig["identical"] or (margin is not None and abs(margin) <= tol)
+                                           or (own is not None and abs(own[0]) <= own[1]))
         out[s] = fig
     return out
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import packed
-from ..io import write_json
+from ..io import cpu_model, write_json  # noqa: F401  (cpu_model: re-exported)
 from ..ngram import NgramConfig
 from .model import EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, interp, level_name, lookup_exit, time_per_token
 
@@ -28,17 +28,6 @@ CALIBRATION_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------- calibration
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_fingerprint(device=None, model=None) -> dict:
     """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch, and
     with `model` (an `EarlyExitModel`) its linear kernels (`hispec.packed.kind`: prepacked or stock)."""
