@@ -401,13 +401,21 @@ class TieChecker:
                 self._fp32 = copy.deepcopy(self.model.base).float().eval()
         return self._fp32
 
-    @torch.no_grad()
-    def margin(self, ids: torch.Tensor, mask: torch.Tensor, ref: list[int], other: list[int]) -> float | None:
+    @staticmethod
+    def _common_prefix(ids: torch.Tensor, mask: torch.Tensor, ref: list[int], other: list[int]):
+        """(prompt + the tokens both runs share, the index of the first that differs), or None."""
         k = _first_mismatch(other, ref)
         if k is None or k >= min(len(ref), len(other)):
             return None
         prompt = ids[0][mask[0].bool()]
-        seq = torch.cat([prompt, torch.tensor(ref[:k], dtype=prompt.dtype, device=prompt.device)])[None]
+        return torch.cat([prompt, torch.tensor(ref[:k], dtype=prompt.dtype, device=prompt.device)])[None], k
+
+    @torch.no_grad()
+    def margin(self, ids: torch.Tensor, mask: torch.Tensor, ref: list[int], other: list[int]) -> float | None:
+        found = self._common_prefix(ids, mask, ref, other)
+        if found is None:
+            return None
+        seq, k = found
         with packed.stock():  # the reference's kernels (transformers' strategies run unpacked)
             logits = self._base32()(seq).logits[0, -1].float()
         return float(logits[ref[k]] - logits[other[k]])
@@ -417,11 +425,10 @@ class TieChecker:
                    ) -> tuple[float, float] | None:
         """(margin of the reference's token over the strategy's in the model's own dtype and kernels, `ULPS` units
         in the last place of that dtype at the larger of the two logits), or None."""
-        k = _first_mismatch(other, ref)
-        if k is None or k >= min(len(ref), len(other)):
+        found = self._common_prefix(ids, mask, ref, other)
+        if found is None:
             return None
-        prompt = ids[0][mask[0].bool()]
-        seq = torch.cat([prompt, torch.tensor(ref[:k], dtype=prompt.dtype, device=prompt.device)])[None]
+        seq, k = found
         logits = self.model.base(seq).logits[0, -1]
         a, b = float(logits[ref[k]]), float(logits[other[k]])
         top = max(abs(a), abs(b), torch.finfo(logits.dtype).tiny)
