@@ -101,6 +101,48 @@ def test_drafter_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp
         _run(_cache_argv(env, straight, cache, pairs_file, *common))
 
 
+def test_drafter_trains_on_from_an_earlier_drafter(env, pairs_file, tmp_path, capsys):
+    """`--eagle3_init_from RUN`: a new run starts from that drafter (its weights and draft vocabulary, so its
+    first evaluation is the earlier run's final one) and trains on; a drafter of another shape is refused before
+    training, naming the difference."""
+    from hispec.eagle3 import load_drafter
+
+    cache, first, more = tmp_path / "cache", tmp_path / "first", tmp_path / "more"
+    common = (*EAGLE, "--eval_steps", "4", "--eagle3_intermediate_size", "24")
+    assert _run(_cache_argv(env, first, cache, pairs_file, *common, "--max_steps", "8")) == 0
+    assert _run(_cache_argv(env, more, cache, pairs_file, *common, "--max_steps", "4",
+                            "--eagle3_init_from", str(first))) == 0
+    m1, m2 = (json.loads((p / "metrics.json").read_text()) for p in (first, more))
+    assert m2["history"][0]["top1"] == pytest.approx(m1["final"]["top1"], abs=1e-6)
+    assert m2["history"][0]["ce"] == pytest.approx(m1["final"]["ce"], rel=1e-5)
+    (d1, _), (d2, meta) = load_drafter(first), load_drafter(more)
+    assert torch.equal(d1.t2d, d2.t2d) and torch.equal(d1.d2t, d2.d2t)
+    assert not torch.equal(d1.fc.weight, d2.fc.weight)  # trained on
+    assert meta["data"]["init_from"]["folder"] == str(first) and len(meta["data"]["init_from"]["sha256"]) == 16
+
+    # tools/drafter_eval.py scores both on the same answers, each exactly as it scores it alone
+    from conftest import load_tool
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"the cat {w}", "category": c}) + "\n"
+                               for w, c in [("sat", "a"), ("is red", "b")]))
+    common_eval = ["--model", str(env / "model"), "--prompts", str(prompts), "--max-new-tokens", "10"]
+    capsys.readouterr()
+    assert load_tool("drafter_eval").main(["--run", str(first), str(more), *common_eval]) == 0
+    printed = capsys.readouterr().out
+    both = json.loads(printed.strip().splitlines()[-1])
+    assert [r["run"] for r in both["runs"]] == [str(first), str(more)] and "side by side" in printed
+    assert load_tool("drafter_eval").main(["--run", str(more), *common_eval]) == 0
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert alone["overall"] == both["runs"][1]["overall"] and alone["by_category"] == both["runs"][1]["by_category"]
+    assert both["runs"][0]["overall"] != both["runs"][1]["overall"]
+
+    with pytest.raises(ValueError, match="intermediate_size: 24 there, 32 here"):
+        _run(_cache_argv(env, tmp_path / "bad", cache, pairs_file, *EAGLE, "--eagle3_intermediate_size", "32",
+                         "--max_steps", "2", "--eagle3_init_from", str(first)))
+    assert not (tmp_path / "bad" / "hispec_drafter.safetensors").exists()
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--head_type", "eagle3"), "trains from a feature cache"),
     (("--head_type", "eagle3", "--feature_cache", "/tmp/nowhere-hispec", "--eagle3_ttt_steps", "0"),
@@ -109,6 +151,9 @@ def test_drafter_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp
      r"eagle3_aux_layers \[9\] are out of range for a 6-layer model"),
     (("--eagle3_aux_layers", "1", "2"), "apply to head_type eagle3 only"),
     (("--eagle3_intermediate_size", "32"), "apply to head_type eagle3 only"),
+    (("--eagle3_init_from", "/tmp/nowhere-hispec"), "apply to head_type eagle3 only"),
+    (("--head_type", "eagle3", "--feature_cache", "/tmp/nowhere-hispec", "--eagle3_init_from", "/tmp/nowhere-hispec"),
+     "holds no EAGLE-3 drafter"),
     (("--head_type", "eagle3", "--feature_cache", "/tmp/nowhere-hispec", "--eagle3_intermediate_size", "-1"),
      "eagle3_intermediate_size must be >= 0"),
 ])

@@ -1,6 +1,7 @@
 """How well an EAGLE-3 drafter run predicts its target on held-out prompts, per category (Spec-Bench by default).
 
     python tools/drafter_eval.py --run runs/smollm2-135m-eagle3 --num-prompts 40 --max-new-tokens 128 --dtype bf16
+    python tools/drafter_eval.py --run recipes/artifacts/smollm2-135m/eagle3 runs/smollm2-135m-eagle3 ...   # side by side
 
 The target answers each prompt greedily (its own output, as in decoding), one frozen pass over prompt + answer gives
 the drafter's aux layers and the target's top-k at every position, and the drafter runs its training-time test over
@@ -9,6 +10,10 @@ agreement with the target's argmax on answer tokens (step 0 = the first draft of
 up to the previous token: "d = 1"), the chained agreement (steps 0..s all right: s + 1 drafts accepted) and their
 sum, the expected accepted drafts per round of `--steps` greedy drafts. Prints a per-category table and ends with
 one JSON line. Evaluation only: these prompts must never be training data.
+
+Several `--run`s (drafters of the same target) are scored on the very same target answers, generated once -- the
+expensive part -- followed by a table of top1@0 and accepted drafts per round side by side; the JSON line then holds
+`{"runs": [one result per run], ...}`.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="drafter_eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, help="train/heads.py output folder of an eagle3 run")
-    p.add_argument("--model", default=None, help="the target (default: the base the run recorded)")
+    p.add_argument("--run", required=True, nargs="+",
+                   help="train/heads.py output folder of an eagle3 run (several: compared on the same answers)")
+    p.add_argument("--model", default=None, help="the target (default: the base the first run recorded)")
     p.add_argument("--prompts", default=str(REPO / "data" / "eval" / "spec_bench_question.jsonl"),
                    help="prompt file (Spec-Bench / MT-Bench question.jsonl, jsonl with 'prompt', text lines)")
     p.add_argument("--num-prompts", type=int, default=40, help="prompts, spread over categories (default 40)")
@@ -73,6 +79,29 @@ def evaluate(drafter, embed, items, steps: int) -> dict:
     return summarize(totals, steps)
 
 
+def _table(run, args, n_prompts, steps, rows, overall) -> None:
+    head = f"{'category':<24}{'tokens':>8}" + "".join(f"{'top1@' + str(s):>9}" for s in range(steps)) \
+        + "".join(f"{'chain@' + str(s):>9}" for s in range(steps)) + f"{'acc/round':>11}"
+    print(f"EAGLE-3 drafter {run} on {args.prompts} ({n_prompts} prompts x {args.max_new_tokens} greedy "
+          f"tokens, target {args.dtype}); top1@s: step s agrees with the target's argmax; chain@s: steps 0..s all do")
+    print(head)
+    for name, r in [*rows.items(), ("all", overall)]:
+        print(f"{name:<24}{r['tokens']:>8}" + "".join(f"{x:>9.3f}" for x in r["top1"])
+              + "".join(f"{x:>9.3f}" for x in r["chain"]) + f"{r['accepted_per_round']:>11.3f}")
+
+
+def _side_by_side(results: list[dict]) -> None:
+    """top1@0 and accepted drafts per round of every run, per category."""
+    print(f"\nside by side (top1@0 / accepted drafts per round), the same {results[0]['num_prompts']} answers:")
+    print(f"{'category':<24}" + "".join(f"{'run ' + str(i):>18}" for i in range(len(results))))
+    cats = [*results[0]["by_category"], "all"]
+    for c in cats:
+        cells = [r["overall"] if c == "all" else r["by_category"][c] for r in results]
+        print(f"{c:<24}" + "".join(f"{x['top1'][0]:>10.3f} /{x['accepted_per_round']:>6.3f}" for x in cells))
+    for i, r in enumerate(results):
+        print(f"run {i}: {r['run']}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -85,11 +114,16 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    drafter, meta = load_drafter(args.run)
-    steps = args.steps or int(meta.get("ttt_steps") or 3)
+    drafters = [load_drafter(run) for run in args.run]
+    meta = drafters[0][1]
     model_path = args.model or str(Path((meta.get("base") or {}).get("name_or_path", "")).expanduser())
     if not model_path:
         print("drafter_eval: error: the run records no target; pass --model", file=sys.stderr)
+        return 2
+    sizes = {(d.config.hidden_size, d.config.vocab_size) for d, _ in drafters}
+    if len(sizes) > 1:
+        print(f"drafter_eval: error: the runs draft for different targets (hidden size, vocabulary: {sorted(sizes)})",
+              file=sys.stderr)
         return 2
     t0 = time.time()
     base = load_base_model(model_path, dtype=args.dtype)
@@ -97,25 +131,30 @@ def main(argv=None) -> int:
     adapter = DecoderAdapter(base)
     prompts = load_prompts(args.prompts, num=args.num_prompts)
     seqs = _sequences(base, tokenizer, prompts, args.max_new_tokens, args.batch_size)
-    items = sequence_items(adapter, seqs, drafter.config.aux_layers)
     embed = base.get_input_embeddings()
-    by_cat: dict[str, list] = {}
-    for p, it in zip(prompts, items):
-        by_cat.setdefault(p.category, []).append(it)
-    rows = {c: evaluate(drafter, embed, its, steps) for c, its in sorted(by_cat.items())}
-    overall = evaluate(drafter, embed, items, steps)
-    head = f"{'category':<24}{'tokens':>8}" + "".join(f"{'top1@' + str(s):>9}" for s in range(steps)) \
-        + "".join(f"{'chain@' + str(s):>9}" for s in range(steps)) + f"{'acc/round':>11}"
-    print(f"EAGLE-3 drafter {args.run} on {args.prompts} ({len(prompts)} prompts x {args.max_new_tokens} greedy "
-          f"tokens, target {args.dtype}); top1@s: step s agrees with the target's argmax; chain@s: steps 0..s all do")
-    print(head)
-    for name, r in [*rows.items(), ("all", overall)]:
-        print(f"{name:<24}{r['tokens']:>8}" + "".join(f"{x:>9.3f}" for x in r["top1"])
-              + "".join(f"{x:>9.3f}" for x in r["chain"]) + f"{r['accepted_per_round']:>11.3f}")
-    result = {"run": str(args.run), "prompts": str(args.prompts), "num_prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "steps": steps,
-              "aux_layers": drafter.config.aux_layers, "overall": overall, "by_category": rows,
-              "seconds": round(time.time() - t0, 1)}
+    results, items_by_layers = [], {}
+    for run, (drafter, meta) in zip(args.run, drafters):
+        steps = args.steps or int(meta.get("ttt_steps") or 3)
+        layers = tuple(drafter.config.aux_layers)
+        if layers not in items_by_layers:
+            items_by_layers[layers] = sequence_items(adapter, seqs, list(layers))
+        items = items_by_layers[layers]
+        by_cat: dict[str, list] = {}
+        for p, it in zip(prompts, items):
+            by_cat.setdefault(p.category, []).append(it)
+        rows = {c: evaluate(drafter, embed, its, steps) for c, its in sorted(by_cat.items())}
+        overall = evaluate(drafter, embed, items, steps)
+        _table(run, args, len(prompts), steps, rows, overall)
+        results.append({"run": str(run), "prompts": str(args.prompts), "num_prompts": len(prompts),
+                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "steps": steps,
+                        "aux_layers": drafter.config.aux_layers, "overall": overall, "by_category": rows})
+    seconds = round(time.time() - t0, 1)
+    if len(results) == 1:
+        result = {**results[0], "seconds": seconds}
+    else:
+        _side_by_side(results)
+        result = {"prompts": str(args.prompts), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                  "dtype": args.dtype, "runs": results, "seconds": seconds}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

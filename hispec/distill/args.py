@@ -127,6 +127,11 @@ class ModelArguments:
     eagle3_intermediate_size: int = field(
         default=0, metadata={"help": "'eagle3' drafter: its MLP width (0 = the target's; smaller keeps a drafter of a "
                                      "wide target small: Qwen2.5-1.5B's 8,960 makes ~82M parameters)."})
+    eagle3_init_from: str | None = field(
+        default=None,
+        metadata={"help": "'eagle3' drafter: start from the drafter in this folder (a run's output_dir or "
+                          "recipes/artifacts/<model>/eagle3) instead of from scratch: its weights and draft vocabulary; "
+                          "its shape must be the one this run asks for. For more training on new data."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "Backbone attention: sdpa or eager."})
 
 

@@ -24,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -202,9 +203,16 @@ def draft_vocab_from_cache(dataset, size: int, vocab_size: int) -> torch.Tensor:
 def validate_drafter_args(m, d, t) -> None:
     """eagle3 settings that need no model (`ConfigError`); nothing for other head types."""
     if m.head_type != "eagle3":
-        if m.eagle3_aux_layers or m.eagle3_intermediate_size:
-            raise ConfigError("eagle3_aux_layers and eagle3_intermediate_size apply to head_type eagle3 only")
+        if m.eagle3_aux_layers or m.eagle3_intermediate_size or m.eagle3_init_from:
+            raise ConfigError("eagle3_aux_layers, eagle3_intermediate_size and eagle3_init_from apply to head_type "
+                              "eagle3 only")
         return
+    if m.eagle3_init_from:
+        from hispec.eagle3 import is_drafter_run
+
+        if not is_drafter_run(Path(m.eagle3_init_from).expanduser()):
+            raise ConfigError(f"eagle3_init_from {m.eagle3_init_from} holds no EAGLE-3 drafter (hispec_drafter.json "
+                              "is missing): name a finished eagle3 run's output_dir or recipes/artifacts/<model>/eagle3")
     if not d.feature_cache:
         raise ConfigError("an eagle3 drafter trains from a feature cache (its aux layers' states and the final "
                           "layer's top-k over whole sequences): set feature_cache: DIR")

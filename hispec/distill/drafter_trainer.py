@@ -11,15 +11,20 @@ only in what trains:
   target's frozen embedding), whose step is `ttt_loss` over `eagle3_ttt_steps` draft steps, and whose evaluation
   is per draft step top-1 agreement with the target, the chained agreement and the expected accepted drafts per
   round on the held-out cache. The draft vocabulary is the `eagle3_draft_vocab_size` most frequent teacher top-1
-  tokens of the training cache; the lm_head starts from the target's rows, the norm from its final norm. `save()`
+  tokens of the training cache; the lm_head starts from the target's rows, the norm from its final norm --
+  or, with `eagle3_init_from DIR`, everything (weights and draft vocabulary) from an earlier drafter of the same
+  shape, to train it on with new data (checked before training; recorded in the run, so resume refuses another
+  starting point). `save()`
   writes `hispec_drafter.safetensors` + `hispec_drafter.json` (`hispec.eagle3.save_drafter`) and `metrics.json`;
   `hispec-export RUN --format speculators` turns that into a vLLM / SGLang drafter.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +35,7 @@ from hispec.distill.trainer import Trainer
 
 def _make_drafter(model, m, train_cache):
     """A fresh drafter for `model`'s base: its shape, the draft vocabulary counted on the training cache, the
-    lm_head rows and final norm of the target."""
+    lm_head rows and final norm of the target. With `eagle3_init_from`, that drafter instead (`_init_drafter`)."""
     from hispec.distill.drafter import draft_vocab_from_cache
     from hispec.eagle3 import Eagle3Config, Eagle3Drafter
 
@@ -39,6 +44,8 @@ def _make_drafter(model, m, train_cache):
     size = m.eagle3_draft_vocab_size if 0 < m.eagle3_draft_vocab_size < V else V
     cfg = Eagle3Config.for_target(model.base.config, aux_layers=drafter_aux_layers(m, adapter.num_layers),
                                   draft_vocab_size=size, intermediate_size=m.eagle3_intermediate_size or None)
+    if m.eagle3_init_from:
+        return _init_drafter(m.eagle3_init_from, cfg, model)
     drafter = Eagle3Drafter(cfg)
     if size < V:
         drafter.set_draft_vocab(draft_vocab_from_cache(train_cache, size, V))
@@ -47,6 +54,39 @@ def _make_drafter(model, m, train_cache):
     drafter.init_from_target(head.weight.detach().float(),
                              None if norm is None or norm.shape != drafter.norm.weight.shape else norm.detach().float())
     return drafter.float()
+
+
+def _init_drafter(folder, cfg, model):
+    """The drafter saved in `folder` (weights and draft vocabulary, which is kept: the rows its lm_head learned
+    belong to those tokens), after checking it has exactly the shape `cfg` this run asks for and was trained for a
+    target of this model's type (`ConfigError` naming every difference)."""
+    from hispec.eagle3 import load_drafter
+
+    drafter, meta = load_drafter(Path(folder).expanduser())
+    have, want = drafter.config.to_dict(), cfg.to_dict()
+    diff = [f"{k}: {have.get(k)!r} there, {want.get(k)!r} here" for k in sorted(set(have) | set(want))
+            if have.get(k) != want.get(k)]
+    base = meta.get("base") or {}
+    if base.get("model_type") not in (None, model.base.config.model_type):
+        diff.append(f"target model_type: {base.get('model_type')!r} there, {model.base.config.model_type!r} here")
+    if diff:
+        raise ConfigError(f"eagle3_init_from {folder}: that drafter does not have the shape this run asks for ("
+                          + "; ".join(diff) + "); set eagle3_aux_layers / eagle3_draft_vocab_size / "
+                          "eagle3_intermediate_size to its values, or train from scratch")
+    return drafter.float().train()
+
+
+def _init_info(folder) -> dict | None:
+    """What a run records about the drafter it started from: its folder and a hash of its weights file."""
+    if not folder:
+        return None
+    from hispec.eagle3 import DRAFTER_FILE
+
+    h = hashlib.sha256()
+    with open(Path(folder).expanduser() / DRAFTER_FILE, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return {"folder": str(folder), "sha256": h.hexdigest()[:16]}
 
 
 class DrafterTrainer(Trainer):
@@ -72,12 +112,14 @@ class DrafterTrainer(Trainer):
         ids = self.drafter.draft_token_ids()
         self.run_info = {"head_type": "eagle3", "aux_layers": c.aux_layers, "ttt_steps": self.steps,
                          "step_decay": m.eagle3_step_decay, "draft_vocab_size": c.draft_vocab_size,
-                         "draft_vocab_ids_sum": None if ids is None else int(ids.sum()), **self._data_info()}
+                         "draft_vocab_ids_sum": None if ids is None else int(ids.sum()),
+                         "init_from": _init_info(m.eagle3_init_from), **self._data_info()}
         self._resume(resume_dir, ("head_type", "aux_layers", "ttt_steps", "step_decay", "draft_vocab_size",
-                                  "draft_vocab_ids_sum"))
+                                  "draft_vocab_ids_sum", "init_from"))
         self._start_trackers("hispec-eagle3", m, d, g, t)
-        logger.info("training an eagle3 drafter: aux layers %s, %d draft steps, draft vocabulary %d, %d sequences, "
-                    "%d steps", c.aux_layers, self.steps, c.draft_vocab_size, len(data.train), self.total_steps)
+        logger.info("training an eagle3 drafter%s: aux layers %s, %d draft steps, draft vocabulary %d, %d sequences, "
+                    "%d steps", f" from {m.eagle3_init_from}" if m.eagle3_init_from else "", c.aux_layers, self.steps,
+                    c.draft_vocab_size, len(data.train), self.total_steps)
 
     def step_loss(self, batch, micro: int):
         from hispec.distill.drafter import ttt_loss
