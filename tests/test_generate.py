@@ -4,7 +4,6 @@ tokens one uninterrupted `generate` gives it, on every family (tiny random model
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hispec.distill.generate import answer_batches, generate_rows
 from tiny import FAMILIES, tiny_model
