@@ -63,20 +63,21 @@ def _sequences(base, tokenizer, prompts, max_new_tokens: int, batch_size: int):
     return out
 
 
-def evaluate(drafter, embed, items, steps: int) -> dict:
-    """Summed `ttt_loss` statistics over items (one sequence a batch) -> `summarize`'s metrics."""
+def totals(drafter, embed, items, steps: int) -> dict[str, float]:
+    """Summed `ttt_loss` statistics over items (one sequence a batch); `summarize` turns them into metrics, and
+    sums of them (categories -> all) summarize exactly as the items together would."""
     import torch
 
-    from hispec.distill.drafter import DrafterCollator, DrafterForTraining, summarize, ttt_loss
+    from hispec.distill.drafter import DrafterCollator, DrafterForTraining, ttt_loss
 
     model = DrafterForTraining(drafter, embed).eval()
     collate = DrafterCollator(drafter.config.aux_layers, steps)
-    totals: dict[str, float] = {}
+    out: dict[str, float] = {}
     with torch.no_grad():
         for it in items:
             for key, v in ttt_loss(model, collate([it]), steps).sums.items():
-                totals[key] = totals.get(key, 0.0) + v
-    return summarize(totals, steps)
+                out[key] = out.get(key, 0.0) + v
+    return out
 
 
 def _table(run, args, n_prompts, steps, rows, overall) -> None:
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from hispec.distill.drafter import sequence_items
+    from hispec.distill.drafter import sequence_items, summarize
     from hispec.eagle3 import load_drafter
     from hispec.layers import DecoderAdapter
     from hispec.model import load_base_model, load_tokenizer
@@ -142,8 +143,13 @@ def main(argv=None) -> int:
         by_cat: dict[str, list] = {}
         for p, it in zip(prompts, items):
             by_cat.setdefault(p.category, []).append(it)
-        rows = {c: evaluate(drafter, embed, its, steps) for c, its in sorted(by_cat.items())}
-        overall = evaluate(drafter, embed, items, steps)
+        cat_totals = {c: totals(drafter, embed, its, steps) for c, its in sorted(by_cat.items())}
+        all_totals: dict[str, float] = {}
+        for t in cat_totals.values():
+            for key, v in t.items():
+                all_totals[key] = all_totals.get(key, 0.0) + v
+        rows = {c: summarize(t, steps) for c, t in cat_totals.items()}
+        overall = summarize(all_totals, steps)
         _table(run, args, len(prompts), steps, rows, overall)
         results.append({"run": str(run), "prompts": str(args.prompts), "num_prompts": len(prompts),
                         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "steps": steps,
