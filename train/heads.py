@@ -19,7 +19,8 @@ Without a feature cache each step runs the backbone once without grad, giving th
 the final features; both heads learn forward KL(p_final || p_exit) in one pass (hispec/distill/losses.py, chunked over
 tokens). With `feature_cache: DIR` the backbone runs ONCE over the tokenized training and held-out sequences and
 writes their exit hidden states and the final layer's top-k next-token distribution to DIR/train and DIR/eval
-(hispec/distill/features.py: resumable, reused when it matches the run, refused when it does not); the steps then read
+(hispec/distill/features.py: resumable, reused when it matches the run, refused when it does not; a new cache over
+grown data copies what `feature_cache_reuse: [OLD_DIR]` already holds); the steps then read
 those instead of running the backbone and learn the "top-k + bucket" KL (`topk_distill_loss`, temperature 1),
 so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
 offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the

@@ -189,6 +189,12 @@ class DataArguments(SelfPromptArguments):
         metadata={"help": "Folder of cached backbone features (built first if missing; train from it): exit hidden "
                           "states + the final layer's top-k distribution, see hispec/distill/features.py."},
     )
+    feature_cache_reuse: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Earlier feature cache folders (a feature_cache root or one split folder) of the same "
+                          "model: sequences already cached there are copied, only new ones run through the "
+                          "backbone. Growing the data: a new feature_cache folder, the old one here."},
+    )
     feature_cache_k: int = field(default=64, metadata={"help": "Teacher tokens kept per position in the cache."})
     feature_cache_final_states: bool = field(
         default=False,

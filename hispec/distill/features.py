@@ -31,6 +31,8 @@ Contract:
   a complete cache that matches is returned as is. Layers: a cache holding MORE layers than asked for fits (one
   cache built with the final layer's states serves linear and context heads alike; resuming a partly built one
   keeps building all of its planned layers). Bad arguments raise `FeatureCacheError` before any work.
+  `reuse=[DIR, ...]`: sequences (tokens + loss mask) already in those earlier complete caches of the same model
+  are copied from them, not recomputed (`hispec.distill.feature_reuse`); shards record how many tokens they copied.
 - `check_cache_layers(out_dir, layers, need=...)` -> the cached layers of a folder's plan or manifest, or None when
   nothing is there yet; a cache lacking one of `layers` raises `FeatureCacheError` naming the missing
   `hidden.<layer>` and how to rebuild (callers check this before any expensive work).
@@ -44,7 +46,8 @@ Contract:
   `ScoredLayout`) and checkpoint evaluation (`hispec.distill.metrics.exit_head_predictions`) run on it.
 - The manifest: `format`, `version`, `model` (identity + weight fingerprint + backbone dtype), `layers`, `k`,
   `hidden_dtype`, `hidden_size`, `vocab_size`, `teacher_temperature` (1.0), `num_sequences`, `num_tokens`,
-  `num_loss_tokens`, `shards` (file, sequences, tokens, loss_tokens, fingerprint), `fingerprint` (all data),
+  `num_loss_tokens`, `reused_tokens`, `shards` (file, sequences, tokens, loss_tokens, fingerprint, reused_tokens),
+  `fingerprint` (all data),
   `extra` (what the caller passes, e.g. the data settings), `build_seconds`.
 """
 
@@ -62,6 +65,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from hispec.distill.feature_reuse import ReuseError, ReuseIndex
 from hispec.distill.losses import auto_chunk_size, exit_states, teacher_topk
 from hispec.io import DTYPES, atomic_write, dtype_name, write_json
 from hispec.model import base_identity
@@ -166,10 +170,13 @@ def _spec(identity: dict, layers, k: int, hidden_dtype: str, hidden_size: int, v
             "hidden_size": int(hidden_size), "vocab_size": int(vocab_size), "teacher_temperature": 1.0}
 
 
-def _same_spec(a: dict, b: dict) -> list[str]:
-    """Differences that make cache a unusable for spec b (the model name/path may differ; a may hold more layers)."""
+def _same_spec(a: dict, b: dict, k_at_least: bool = False) -> list[str]:
+    """Differences that make cache a unusable for spec b (the model name/path may differ; a may hold more layers,
+    and with `k_at_least` more teacher tokens: a source of reused rows, whose top-k is sliced)."""
     diffs = []
     for key in ("format", "version", "k", "hidden_dtype", "hidden_size", "vocab_size", "teacher_temperature"):
+        if key == "k" and k_at_least and int(a.get(key) or 0) >= int(b.get(key)):
+            continue
         if a.get(key) != b.get(key):
             diffs.append(f"{key} {a.get(key)!r} != {b.get(key)!r}")
     missing = sorted(set(b.get("layers") or []) - set(a.get("layers") or []))
@@ -220,9 +227,10 @@ def frozen_batches(adapter, rows: list[list[int]], layers, batch_tokens: int, pa
 
 
 @torch.no_grad()
-def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
-                 progress=None) -> dict[str, torch.Tensor]:
-    """One shard's tensors (see the module docstring), through `frozen_batches`."""
+def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id, progress=None,
+                 reuse: ReuseIndex | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """One shard's tensors (see the module docstring) and how many of its tokens were copied from `reuse`: rows
+    found there are copied, the others go through `frozen_batches`."""
     lengths = [len(ids) for ids, _ in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -230,8 +238,23 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
     hidden = {layer: torch.empty(n, H, dtype=hidden_dtype) for layer in layers}
     top_ids = torch.empty(n, k, dtype=torch.int32)
     top_lp = torch.empty(n, k, dtype=torch.float32)
-    for batch, valid, states, final in frozen_batches(adapter, [ids for ids, _ in rows], layers, batch_tokens,
+    fresh, reused = [], 0
+    for j, (ids, mask) in enumerate(rows):
+        src = reuse.find(ids, mask) if reuse is not None else None
+        if src is None:
+            fresh.append(j)
+            continue
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        old = reuse.rows(src, layers, k)
+        for layer in layers:
+            hidden[layer][a:b] = old[f"hidden.{layer}"]
+        top_ids[a:b], top_lp[a:b] = old["teacher_topk_ids"], old["teacher_topk_logprobs"]
+        reused += b - a
+        if progress is not None:
+            progress(b - a)
+    for batch, valid, states, final in frozen_batches(adapter, [rows[j][0] for j in fresh], layers, batch_tokens,
                                                       pad_id):
+        batch = [fresh[i] for i in batch]
         flat = valid.reshape(-1)
         t_ids, t_lp = _project_topk(adapter, final.reshape(-1, final.shape[-1])[flat], k)
         dest = torch.cat([torch.arange(int(offsets[j]), int(offsets[j + 1])) for j in batch])
@@ -250,24 +273,30 @@ def _build_shard(adapter, rows, layers, k, hidden_dtype, batch_tokens, pad_id,
     }
     for layer in layers:
         out[f"hidden.{layer}"] = hidden[layer]
-    return out
+    return out, reused
+
+
+def _shard_meta(path: Path) -> dict:
+    """A shard file's metadata ({} when missing or damaged: it is rebuilt)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001  (a damaged file is rebuilt)
+        return {}
 
 
 def _shard_fingerprint(path: Path) -> str | None:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return (f.metadata() or {}).get("fingerprint")
-    except Exception:  # noqa: BLE001  (a damaged file is rebuilt)
-        return None
+    return _shard_meta(path).get("fingerprint")
 
 
 def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, identity: dict | None = None,
                         hidden_dtype: str = "bf16", shard_tokens: int = 1 << 16, batch_tokens: int = 4096,
                         pad_id: int = 0, rank: int = 0, world_size: int = 1, extra: dict | None = None,
-                        show_progress: bool = True, plan_only: bool = False) -> dict | None:
+                        show_progress: bool = True, plan_only: bool = False, reuse=None) -> dict | None:
     """Build (or resume, or reuse) a feature cache; see the module docstring. Returns the manifest when this call
     completed the cache (one process) or found it complete, None when another rank must call `write_manifest`.
-    `plan_only`: only check the folder against this run and (rank 0) write the plan, then return."""
+    `plan_only`: only check the folder against this run and (rank 0) write the plan, then return. `reuse`: earlier
+    cache folders whose sequences are copied instead of recomputed (`hispec.distill.feature_reuse`)."""
     out_dir = Path(out_dir)
     layers = sorted({int(x) for x in layers})
     if not layers or any(not 1 <= x <= adapter.num_layers for x in layers):
@@ -324,15 +353,22 @@ def build_feature_cache(adapter, sequences, out_dir, *, layers, k: int = 64, ide
     dtype = DTYPES[hidden_dtype]
     mine = [(i, s) for i, s in enumerate(plan["shards"]) if i % world_size == rank]
     todo = [(i, s) for i, s in mine if _shard_fingerprint(out_dir / s["file"]) != s["fingerprint"]]
+    index = None
+    if reuse and todo:
+        try:
+            index = ReuseIndex.open(reuse, lambda manifest: _same_spec(manifest, spec, k_at_least=True))
+        except ReuseError as e:
+            raise FeatureCacheError(str(e)) from e
     bar = tqdm(total=sum(s["tokens"] for _, s in mine), initial=sum(s["tokens"] for _, s in mine)
                - sum(s["tokens"] for _, s in todo), desc=f"feature cache {out_dir.name}", unit="tok",
                disable=not show_progress)
     t0 = time.time()
     for i, s in todo:
-        tensors = _build_shard(adapter, rows[s["start"] : s["end"]], layers, k, dtype, batch_tokens, pad_id,
-                               progress=bar.update)
+        tensors, reused = _build_shard(adapter, rows[s["start"] : s["end"]], layers, k, dtype, batch_tokens,
+                                       pad_id, progress=bar.update, reuse=index)
         final = out_dir / s["file"]
-        meta = {"format": FORMAT, "fingerprint": s["fingerprint"], "sequences": str(s["end"] - s["start"])}
+        meta = {"format": FORMAT, "fingerprint": s["fingerprint"], "sequences": str(s["end"] - s["start"]),
+                "reused_tokens": str(reused)}
         atomic_write(final, lambda tmp, t=tensors, m=meta: save_file(t, str(tmp), metadata=m))
         _shard_hook(i)
     bar.close()
@@ -348,17 +384,18 @@ def write_manifest(out_dir, *, extra: dict | None = None, build_seconds: float |
     if not plan_path.is_file():
         raise FeatureCacheError(f"{out_dir} has no {PLAN}: build the cache first")
     plan = json.loads(plan_path.read_text())
-    missing = [s["file"] for s in plan["shards"]
-               if _shard_fingerprint(out_dir / s["file"]) != s["fingerprint"]]
+    metas = [_shard_meta(out_dir / s["file"]) for s in plan["shards"]]
+    missing = [s["file"] for s, meta in zip(plan["shards"], metas) if meta.get("fingerprint") != s["fingerprint"]]
     if missing:
         raise FeatureCacheError(f"{out_dir}: shard(s) {missing[:5]} missing or stale; build the cache again")
     shards = [{"file": s["file"], "sequences": s["end"] - s["start"], "tokens": s["tokens"],
-               "loss_tokens": s["loss_tokens"], "fingerprint": s["fingerprint"]} for s in plan["shards"]]
+               "loss_tokens": s["loss_tokens"], "fingerprint": s["fingerprint"],
+               "reused_tokens": int(meta.get("reused_tokens", 0))} for s, meta in zip(plan["shards"], metas)]
     manifest = {k: plan[k] for k in ("format", "version", "model", "layers", "k", "hidden_dtype", "hidden_size",
                                      "vocab_size", "teacher_temperature", "fingerprint", "num_sequences",
                                      "shard_tokens")}
     manifest.update(num_tokens=sum(s["tokens"] for s in shards), num_loss_tokens=sum(s["loss_tokens"] for s in shards),
-                    shards=shards, extra=extra or {},
+                    reused_tokens=sum(s["reused_tokens"] for s in shards), shards=shards, extra=extra or {},
                     build_seconds=None if build_seconds is None else round(build_seconds, 1))
     write_json(out_dir / MANIFEST, manifest)
     return manifest

@@ -45,7 +45,7 @@ from hispec.distill.args import (
 from hispec.distill.drafter import drafter_aux_layers, validate_drafter_args
 from hispec.distill.data import LOSS_ON, DataError, builder_for, check_training_files, expand_path
 from hispec.distill.features import CachedCollator
-from hispec.distill.run_cache import check_feature_cache, prepare_feature_cache
+from hispec.distill.run_cache import check_feature_cache, prepare_feature_cache, validate_cache_args
 from hispec.distill.self_prompts import SelfPromptError, ensure_self_prompts, validate_args
 from hispec.distill.training import (
     HeadsForTraining, _distance_seed, _loss_fn, context_ranges, context_settings, distance_sampler, evaluate,
@@ -53,7 +53,7 @@ from hispec.distill.training import (
 )
 from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
 from hispec.heads import HEAD_TYPES
-from hispec.io import DTYPES, atomic_write, parse_dtype, write_json
+from hispec.io import atomic_write, parse_dtype, write_json
 from hispec.layers import DecoderAdapter
 from hispec.model import (
     EXITS, HEADS_FILE, METRICS_FILE, TRAIN_FILE, EarlyExitModel, default_exits, load_base_model, load_tokenizer,
@@ -152,21 +152,7 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         parse_dtype(t.loss_dtype)
     except ValueError as e:
         raise ConfigError(f"loss_dtype: {e}") from e
-    if d.feature_cache:
-        if t.temperature != 1.0:
-            raise ConfigError(f"the feature cache stores the teacher at temperature 1; set temperature: 1.0 "
-                              f"(got {t.temperature}) or train without feature_cache")
-        if d.feature_cache_k < 1:
-            raise ConfigError(f"feature_cache_k must be >= 1, got {d.feature_cache_k}")
-        if d.feature_cache_dtype not in DTYPES:
-            raise ConfigError(f"unknown feature_cache_dtype '{d.feature_cache_dtype}'; choose bf16, fp16 or fp32")
-        try:
-            parse_dtype(d.feature_cache_backbone_dtype)
-        except ValueError as e:
-            raise ConfigError(f"feature_cache_backbone_dtype: {e}") from e
-        for name in ("feature_cache_shard_tokens", "feature_cache_batch_tokens"):
-            if getattr(d, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(d, name)}")
+    validate_cache_args(d, t)
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"eval_fraction must be in [0, 1), got {d.eval_fraction}")
     if d.max_seq_length < 2:
