@@ -169,7 +169,7 @@ def test_reuse_settings_are_checked_before_any_work(tmp_path):
         check_feature_cache(m, d, (2, 3), 6)
 
 
-def test_the_data_job_grows_into_a_new_cache_reusing_the_old(env, pairs_file, tmp_path):  # noqa: F811
+def test_the_data_job_grows_into_a_new_cache_reusing_the_old(env, pairs_file, tmp_path, capsys):  # noqa: F811
     """train/heads.py --data_only: 4 teacher-forced pairs cached, then all 10 into a new folder with
     --feature_cache_reuse: the sequences of the first cache are copied, the new cache equals a fresh build."""
     from test_train import _cache_argv, _run
@@ -178,6 +178,7 @@ def test_the_data_job_grows_into_a_new_cache_reusing_the_old(env, pairs_file, tm
     assert _run(_cache_argv(env, out, old, pairs_file, "--data_only", "true",
                             "--plain_text_max_samples_per_file", "4")) == 0
     assert _run(_cache_argv(env, out, fresh, pairs_file, "--data_only", "true")) == 0
+    capsys.readouterr()
     assert _run(_cache_argv(env, out, new, pairs_file, "--data_only", "true", "--feature_cache_reuse",
                             str(old))) == 0
     kept = {**_by_sequence(old / "train"), **_by_sequence(old / "eval")}
@@ -190,6 +191,8 @@ def test_the_data_job_grows_into_a_new_cache_reusing_the_old(env, pairs_file, tm
             for name, t in rows.items():
                 torch.testing.assert_close(t.float(), want[key][name].float(), rtol=0, atol=2e-2)
     reused = sum(json.loads((new / s / "manifest.json").read_text())["reused_tokens"] for s in ("train", "eval"))
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["feature_cache"]  # the data job's summary
+    assert info["train_reused_tokens"] + info["eval_reused_tokens"] == reused and info["reused_from"] == [str(old)]
     assert reused >= sum(len(key[0]) for key in kept) * 0.9 > 0  # (nearly) all of the old cache was copied
     (tmp_path / "nothing").mkdir()
     for folder, message in ((tmp_path / "nothing", "holds no complete feature cache"),

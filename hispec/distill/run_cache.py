@@ -150,5 +150,7 @@ def prepare_feature_cache(state, model, adapter, exits, m, d, g, t, train_ds, ev
     info = {"dir": str(root), "k": d.feature_cache_k, "hidden_dtype": d.feature_cache_dtype,
             "backbone_dtype": identity["dtype"],
             **{f"{s}_tokens": c.manifest["num_tokens"] for s, c in out.items()},
-            **{f"{s}_loss_tokens": c.manifest["num_loss_tokens"] for s, c in out.items()}}
+            **{f"{s}_loss_tokens": c.manifest["num_loss_tokens"] for s, c in out.items()},
+            **{f"{s}_reused_tokens": c.manifest.get("reused_tokens", 0) for s, c in out.items()},
+            "reused_from": [str(x) for x in _reuse_folders(d)]}
     return out["train"], out.get("eval"), info
