@@ -61,8 +61,15 @@ class ReuseError(ValueError):
     """An earlier cache cannot be reused as asked (`build_feature_cache` raises it as a `FeatureCacheError`)."""
 
 
-def _error(msg: str) -> ReuseError:
-    return ReuseError(msg)
+def _manifests(dirs):
+    """(folder, manifest) of every complete cache the reuse folders name; ReuseError for a folder with none."""
+    for root in dirs:
+        folders = cache_folders(root)
+        if not folders:
+            raise ReuseError(f"feature_cache_reuse: {root} holds no complete feature cache (a manifest.json in it or "
+                             "in its train/ or eval/); finish building it, or drop it from feature_cache_reuse")
+        for folder in folders:
+            yield folder, json.loads((folder / MANIFEST).read_text())
 
 
 def _fit(manifest: dict, layers, k: int, hidden_dtype: str | None) -> list[str]:
@@ -81,15 +88,10 @@ def _fit(manifest: dict, layers, k: int, hidden_dtype: str | None) -> list[str]:
 def check_reusable(dirs, layers, k: int, hidden_dtype: str) -> None:
     """Before any work: each reuse folder holds a complete cache with `layers`, >= k teacher tokens, `hidden_dtype`
     (a dtype name as manifests record it, e.g. "bfloat16"). ReuseError naming the folder otherwise."""
-    for root in dirs:
-        folders = cache_folders(root)
-        if not folders:
-            raise _error(f"feature_cache_reuse: {root} holds no complete feature cache (a manifest.json in it or in "
-                         "its train/ or eval/); finish building it, or drop it from feature_cache_reuse")
-        for folder in folders:
-            diffs = _fit(json.loads((folder / MANIFEST).read_text()), layers, k, hidden_dtype)
-            if diffs:
-                raise _error(f"feature_cache_reuse: {folder} cannot serve this run: {'; '.join(diffs)}")
+    for folder, manifest in _manifests(dirs):
+        diffs = _fit(manifest, layers, k, hidden_dtype)
+        if diffs:
+            raise ReuseError(f"feature_cache_reuse: {folder} cannot serve this run: {'; '.join(diffs)}")
 
 
 @dataclass(frozen=True)
@@ -112,19 +114,12 @@ class ReuseIndex:
     def open(cls, dirs, misfit) -> ReuseIndex:
         """`misfit(manifest) -> [what differs]` says whether a cache fits the new one (empty: it does)."""
         index = cls()
-        for root in dirs:
-            folders = cache_folders(root)
-            if not folders:
-                raise _error(f"feature_cache_reuse: {root} holds no complete feature cache (a manifest.json in it "
-                             "or in its train/ or eval/)")
-            for folder in folders:
-                manifest = json.loads((folder / MANIFEST).read_text())
-                diffs = misfit(manifest)
-                if diffs:
-                    raise _error(f"feature_cache_reuse: {folder} was built for something else "
-                                 f"({'; '.join(diffs)}); only a cache of the same model, backbone dtype and hidden "
-                                 "dtype can be reused")
-                index._add(folder, manifest)
+        for folder, manifest in _manifests(dirs):
+            diffs = misfit(manifest)
+            if diffs:
+                raise ReuseError(f"feature_cache_reuse: {folder} was built for something else ({'; '.join(diffs)}); "
+                                 "only a cache of the same model, backbone dtype and hidden dtype can be reused")
+            index._add(folder, manifest)
         return index
 
     def _add(self, folder: Path, manifest: dict) -> None:
