@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hispec.distill.drafter import DrafterCollator, DrafterForTraining, draft_vocab_from_cache, summarize, ttt_loss
+from hispec.distill.drafter import (
+    GATES, DrafterCollator, DrafterForTraining, draft_vocab_from_cache, summarize, ttt_loss,
+)
 from hispec.eagle3 import (
     Eagle3Config, Eagle3Drafter, default_aux_layers, is_drafter_run, load_drafter, save_drafter,
 )
@@ -256,6 +258,7 @@ def test_ttt_loss_on_the_trained_positions_equals_the_loss_over_the_whole_batch(
     index = torch.full((d.config.vocab_size,), -1, dtype=torch.long)
     index[d.draft_token_ids()] = torch.arange(60)
     loss, chain = 0.0, torch.ones_like(batch["valid"])
+    gate, proposed = 0.3, torch.ones_like(batch["valid"])  # a confidence gate, by hand: GATES[3]
     for s, lg in enumerate(full):
         assert lg.shape[:2] == batch["valid"].shape  # (no selection: every entry)
         m, tk, lp = batch["loss_mask"][..., s], batch["topk_ids"][..., s, :], batch["topk_logprobs"][..., s, :]
@@ -268,7 +271,17 @@ def test_ttt_loss_on_the_trained_positions_equals_the_loss_over_the_whole_batch(
         assert got.sums[f"ce{s}"] == pytest.approx(float((ce * m).sum().detach()), rel=1e-5)
         assert got.sums[f"top1_{s}"] == float((ok & m).sum())
         assert got.sums[f"chain{s}"] == float((chain & batch["loss_mask"][..., 0] & m).sum())
+        proposed = proposed & (lg.float().softmax(-1).max(-1).values >= gate)
+        assert got.sums[f"gate3_drafted{s}"] == float((proposed & batch["loss_mask"][..., 0] & m).sum())
+        assert got.sums[f"gate3_accepted{s}"] == float((proposed & chain & batch["loss_mask"][..., 0] & m).sum())
     assert got.loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    gated = summarize(got.sums, steps)["gated"]
+    assert [g["gate"] for g in gated] == list(GATES) and GATES[3] == gate
+    assert gated[0]["drafted"] == pytest.approx(steps) and gated[0]["accepted"] == pytest.approx(
+        summarize(got.sums, steps)["accepted_per_round"], abs=1e-3)
+    for a, b in zip(gated, gated[1:]):  # a higher gate proposes (and so gets accepted) no more
+        assert b["drafted"] <= a["drafted"] + 1e-9 and b["accepted"] <= a["accepted"] + 1e-9
+        assert b["accepted"] <= b["drafted"] + 1e-9
     loss.backward()
     for g, p in zip(grads, d.parameters()):
         assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-6)

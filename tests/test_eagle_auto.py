@@ -184,6 +184,8 @@ def test_auto_with_the_drafter_is_greedy_identical_for_every_family(family):
         out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
         assert torch.equal(out.sequences, ref), want
         assert out.stats.strategy == want and out.stats.levels[0].proposed > 0
+        gated = model.generate(ids, am, max_new_tokens=17, strategy="auto", draft_gate=0.5)  # auto prices full
+        assert torch.equal(gated.sequences, ref) and gated.stats.levels[0].gated == 0  # chains: the gate is off
     # measured (not forced) priors: whatever auto picks, the output is the same
     model.hispec_config.calibration = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1,
                                                         max_gamma=4, ngram=NgramConfig()).to_dict()

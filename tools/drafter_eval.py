@@ -8,8 +8,9 @@ the drafter's aux layers and the target's top-k at every position, and the draft
 the whole sequences (`hispec.distill.drafter.ttt_loss`, exactly the training evaluation): per draft step s the top-1
 agreement with the target's argmax on answer tokens (step 0 = the first draft of a round, with the target's states
 up to the previous token: "d = 1"), the chained agreement (steps 0..s all right: s + 1 drafts accepted) and their
-sum, the expected accepted drafts per round of `--steps` greedy drafts. Prints a per-category table and ends with
-one JSON line. Evaluation only: these prompts must never be training data.
+sum, the expected accepted drafts per round of `--steps` greedy drafts; and what a confidence gate would do (drafting
+stops at the first draft whose probability under the drafter is below g: drafts proposed and accepted per round).
+Prints a per-category table and ends with one JSON line. Evaluation only: these prompts must never be training data.
 
 Several `--run`s (drafters of the same target) are scored on the very same target answers, generated once -- the
 expensive part -- followed by a table of top1@0 and accepted drafts per round side by side; the JSON line then holds
@@ -89,6 +90,11 @@ def _table(run, args, n_prompts, steps, rows, overall) -> None:
     for name, r in [*rows.items(), ("all", overall)]:
         print(f"{name:<24}{r['tokens']:>8}" + "".join(f"{x:>9.3f}" for x in r["top1"])
               + "".join(f"{x:>9.3f}" for x in r["chain"]) + f"{r['accepted_per_round']:>11.3f}")
+    print("confidence gate (drafting stops at the first draft the drafter gives less than g; all prompts):")
+    print(f"{'gate g':>8}{'drafted/round':>15}{'accepted/round':>16}{'accepted/draft':>16}")
+    for row in overall["gated"]:
+        print(f"{row['gate']:>8.1f}{row['drafted']:>15.3f}{row['accepted']:>16.3f}"
+              f"{row['accepted'] / max(row['drafted'], 1e-9):>16.3f}")
 
 
 def _side_by_side(results: list[dict]) -> None:

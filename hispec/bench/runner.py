@@ -38,7 +38,7 @@ VERIFICATION_SUFFIXES = ("token", "hsd")  # hispec.sampling.VERIFICATIONS
 
 def split_verification(strategy: str) -> tuple[str, str | None]:
     """`"hispec:hsd"` -> ("hispec", "hsd"); `"hispec"` -> ("hispec", None). Raises ValueError on a bad suffix."""
-    if strategy.startswith(TREE_PREFIXES):
+    if strategy.startswith(TREE_PREFIXES + GATE_PREFIXES):
         return strategy, None
     name, sep, rule = strategy.partition(":")
     if not sep:
@@ -85,6 +85,26 @@ def tree_strategy(strategy: str) -> str:
     return next(name for prefix, name in TREE_STRATEGIES.items() if strategy.startswith(prefix))
 
 
+# "eagle-gate:0.3": the EAGLE-3 drafter's chain with `generate(draft_gate=0.3)` (stops at a draft below 0.3)
+GATE_STRATEGIES = {"eagle-gate:": "eagle", "eagle-lookup-gate:": "eagle-lookup"}
+GATE_PREFIXES = tuple(GATE_STRATEGIES)
+
+
+def gate_of(strategy: str) -> tuple[str, float] | None:
+    """`"eagle-gate:0.3"` -> ("eagle", 0.3), `"eagle-lookup-gate:0.2"` -> ("eagle-lookup", 0.2) (ValueError when
+    malformed); None for any other strategy."""
+    for prefix, name in GATE_STRATEGIES.items():
+        if strategy.startswith(prefix):
+            try:
+                gate = float(strategy[len(prefix):])
+            except ValueError:
+                raise ValueError(f"strategy {strategy!r}: the gate after '{prefix}' must be a number") from None
+            if not 0.0 <= gate < 1.0:
+                raise ValueError(f"strategy {strategy!r}: the gate must be in [0, 1)")
+            return name, gate
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------- config
 @dataclass
 class BenchConfig:
@@ -112,7 +132,8 @@ class BenchConfig:
             raise ValueError(f"unknown verification {self.verification!r}: choose one of "
                              f"{', '.join(VERIFICATION_SUFFIXES)}")
         unknown = [s for s in self.strategies
-                   if split_verification(s)[0] not in STRATEGIES and ">" not in s and tree_of(s) is None]
+                   if split_verification(s)[0] not in STRATEGIES and ">" not in s and tree_of(s) is None
+                   and gate_of(s) is None]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
                              "such as ngram>L4>full")
@@ -309,9 +330,11 @@ class Runner:
             gen = torch.Generator(device=model.device).manual_seed(seed) if not cfg.greedy else None
             t0 = timing.now(model.device)
             name, rule = split_verification(strategy)
-            tree = tree_of(name)
+            tree, gated = tree_of(name), gate_of(name)
+            if gated is not None:
+                name, gate = gated
             out = model.generate(ids, mask, max_new_tokens=n, strategy=tree_strategy(name) if tree else name,
-                                 tree=tree, do_sample=not cfg.greedy,
+                                 tree=tree, do_sample=not cfg.greedy, draft_gate=gate if gated else None,
                                  verification=None if tree else rule or cfg.verification,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
                                  gamma=gamma if gamma is not None else cfg.gamma,
@@ -563,7 +586,7 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:
-        if s in HF_STRATEGIES:
+        if s in HF_STRATEGIES or gate_of(s) is not None:  # (gated chains are not modelled)
             continue
         tree = tree_of(s)
         if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)

@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(STRATEGIES)}, hierarchies such as ngram>L8>full, or "
                    "tree:4x2x1 (self-spec drafting that static tree: children per node at each depth), "
                    "lookup-tree:4 (self-spec-lookup, its exit drafting that tree where the lookup finds nothing), "
-                   "eagle-tree:4x2 / eagle-lookup-tree:4x2 (the EAGLE-3 drafter drafting that static tree) "
+                   "eagle-tree:4x2 / eagle-lookup-tree:4x2 (the EAGLE-3 drafter drafting that static tree), "
+                   "eagle-gate:0.3 / eagle-lookup-gate:0.3 (its chain stopping at a draft it gives less than 0.3) "
                    "(default: hf, hf-early-exit, hf-prompt-lookup, ar, self-spec, hispec, ngram, and auto when the "
                    "checkpoint holds a calibration). "
                    "With --sweep: which of self-spec, hispec to tune (default hispec)")

@@ -21,8 +21,8 @@ class _RowSet:
     """Dropping and admitting rows of a `_Run` (which holds the fields named here, its `cache` and `policy`)."""
 
     # the per-row state: batch-first tensors, and lists of them (one per level); None entries stay None
-    ROW_TENSORS = ("tok", "seq", "limit", "prompt_len", "exhausted", "lookup_only", "fin", "base", "orig", "handed",
-                   "aux", "dk", "dv", "dctx", "dlen", "dh")  # (the last six: an EAGLE-3 level 0, else None)
+    ROW_TENSORS = ("tok", "seq", "limit", "prompt_len", "exhausted", "lookup_only", "gated", "fin", "base", "orig",
+                   "handed", "aux", "dk", "dv", "dctx", "dlen", "dh")  # (the last six: an EAGLE-3 level 0, else None)
     ROW_LISTS = ("ver", "done", "gam", "hid", "rows")
 
     def _map_rows(self, fn, other: "_Run | None" = None) -> None:

@@ -64,11 +64,23 @@ class _EagleDrafting:
         self.aux[r, idx[r, c]] = states[r, c].to(self.aux.dtype)
 
     def _draft_eagle(self, grow: torch.Tensor, st: LevelStats) -> None:
-        """One drafted token for each row of `grow` (see the module docstring)."""
+        """One drafted token for each row of `grow` (see the module docstring). With a `draft_gate` g > 0, where
+        the drafter's most likely token has a probability below g nothing is proposed: the row stops drafting
+        this round (`gated`) and the full model verifies what it has (nothing: one plain step). Greedy: the
+        drafter's softmax; sampling: its warped distribution. The rule reads the distribution BEFORE a token is
+        drawn from it, never the drawn token: a token that is proposed is then an exact draw from the proposal
+        that verification divides by, so sampling keeps the target distribution (a gate on the drawn token's own
+        probability would propose from q cut to its likely tokens and bias the output: the chi-square test
+        caught that). Greedy stays lossless either way (the full model verifies every proposed token)."""
         logits, n = self._eagle_advance(grow)
         if logits is None:
             return
-        token = self._eagle_token(logits, grow)
+        token, conf = self._eagle_token(logits, grow)
+        if self.draft_gate > 0:
+            low = grow & (conf < self.draft_gate)
+            self.gated |= low
+            st.gated += int(low.sum())
+            grow = grow & ~low
         pos = self.seq.clamp(max=self.tok.shape[1] - 1)
         self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
         self.seq = self.seq + grow.long()
@@ -137,15 +149,19 @@ class _EagleDrafting:
         write = torch.where(valid, idx, torch.full_like(idx, self.dk.shape[2] - 1))
         return d.step(embeds, hidden, idx, KVBuffer(self.dk, self.dv, write), mask)
 
-    def _eagle_token(self, logits: torch.Tensor, grow: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits `[B, Vd]` -> the drafted target token `[B]` (its distribution stored as level
-        0's rows when sampling)."""
+    def _eagle_token(self, logits: torch.Tensor, grow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft-vocabulary logits `[B, Vd]` -> (the drafted target token `[B]`, the largest probability of the
+        drafter's distribution `[B]` when a `draft_gate` reads it, else None); the distribution is stored as
+        level 0's rows when sampling."""
+        gate = self.draft_gate > 0
         if not self.do_sample:
-            return self.drafter.to_target(logits.argmax(-1))
+            best = logits.argmax(-1)
+            conf = torch.softmax(logits.float(), -1).gather(1, best[:, None])[:, 0] if gate else None
+            return self.drafter.to_target(best), conf
         probs = self._eagle_probs(logits)
         token = sample(probs, self.generator)
         self._store_rows(0, self.seq, probs[:, None], only=grow if self.levels[0].lookup else None)
-        return token
+        return token, probs.max(-1).values if gate else None
 
     def _eagle_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's warped distribution `[B, V]` over the target vocabulary (zero outside its draft

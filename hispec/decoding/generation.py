@@ -47,6 +47,7 @@ def generate(
     policy=None,
     tree=None,
     verification: str | None = None,
+    draft_gate: float | None = None,
 ) -> GenerationOutput:
     """Generate with an `EarlyExitModel`. `input_ids` `[B, P]` may be left-padded (give `attention_mask`).
 
@@ -70,6 +71,12 @@ def generate(
     distribution, at least as many accepted tokens); default: the checkpoint's `decoding.verification`, else
     "token". Greedy decoding (`do_sample=False`) matches exact prefixes and is identical under both.
 
+    `draft_gate`: an EAGLE-3 chain (`eagle`, `eagle-lookup`) stops drafting at the first draft the drafter itself
+    gives a probability below it, and the full model verifies the drafts before it (EAGLE-2's and transformers'
+    `assistant_confidence_threshold` idea for a chain; on a CPU every proposed draft costs verification work).
+    Default None: the drafter's own (`default_gate` in its metadata), else 0: the full chain. Trees and `auto`
+    ignore it (auto's latency model prices full chains).
+
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
     `keep_rows(idx)` that sets the per-row gammas `run.gam` (and, under a lookup-first level 0, `run.lookup_only`)
     between rounds (see `_AutoPolicy`, which `auto` uses).
@@ -79,12 +86,18 @@ def generate(
     verification, gamma, window, ngram = _settings(model, verification, gamma, window, ngram)
     _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p)
     tree = parse_tree(tree)
+    if draft_gate is None:
+        draft_gate = getattr(getattr(model, "drafter", None), "default_gate", None) or 0.0
+    if not 0.0 <= draft_gate < 1.0:
+        raise ValueError(f"draft_gate must be in [0, 1), got {draft_gate!r}")
     if strategy is None:
         strategy = "self-spec" if tree is not None else default_strategy(model)
     policy_cal, levels = _hierarchy(model, strategy, tree, gammas, gamma=gamma, window=window, ngram=ngram,
                                     eagle_gamma=eagle_gamma)
     if tree is not None:
         _check_tree_options(tree, levels, max_new_tokens, policy, do_sample, explicit_verification)
+    if policy_cal is not None or tree is not None or levels[0].kind != "eagle3":
+        draft_gate = 0.0  # chains of the drafter only; `auto` prices full chains (its latency model), not gated ones
     dev = model.device
     input_ids, prompts = _prompts(model, input_ids, attention_mask, max_new_tokens)
     eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)
@@ -98,7 +111,8 @@ def generate(
     run = _Run(model, levels, prompts, [len(p) + max_new_tokens for p in prompts], do_sample=do_sample,
                warp=dict(temperature=temperature, top_k=top_k, top_p=top_p), eos=eos, generator=generator,
                stop_check=_stop_checker(stop_strings, tokenizer if tokenizer is not None else model.tokenizer),
-               streamer=streamer, ngram=ngram, policy=policy, tree=tree, verification=verification)
+               streamer=streamer, ngram=ngram, policy=policy, tree=tree, verification=verification,
+               draft_gate=draft_gate)
     run.stats.strategy = ("auto:" if policy_cal is not None else "") + ">".join(lv.name for lv in levels)
     if tree is not None:
         run.stats.strategy += f"[tree {tree}]"

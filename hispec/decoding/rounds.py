@@ -55,8 +55,10 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
     """State and steps of one batched generation call."""
 
     def __init__(self, model, levels, prompts, limits, *, do_sample, warp, eos, generator, stop_check, streamer,
-                 ngram: NgramConfig, policy=None, tree=None, verification: str = "token", cache=None, ids=None):
+                 ngram: NgramConfig, policy=None, tree=None, verification: str = "token", cache=None, ids=None,
+                 draft_gate: float = 0.0):
         self.model, self.adapter, self.levels = model, model.adapter, levels
+        self.draft_gate = float(draft_gate)  # an eagle3 chain stops at a draft the drafter gives less (eagle.py)
         self.tree = tree  # a hispec.tree.TreeSpec: level 0 drafts trees (hispec/tree.py), else chains
         self.K = len(levels) - 1
         self.bounds = [0] + [lv.exit_layer for lv in levels]
@@ -100,6 +102,8 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         # `ngram|EXIT` rows whose exit (or drafter) `auto` switched off: the lookup alone drafts for them, and where
         # it misses they decode plainly that round (`ngram>full` per row, without a second hierarchy)
         self.lookup_only = torch.zeros(B, dtype=torch.bool, device=dev)
+        # rows whose drafter stopped this round at a draft below `draft_gate`: verify what they have
+        self.gated = torch.zeros(B, dtype=torch.bool, device=dev)
 
     def _init_buffers(self, B: int, cap: int, cache):
         """The hidden states kept between ranges (`hid`, `fin`), the KV cache and the stateful heads' slots."""
@@ -286,7 +290,7 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         t0 = timing.now(self.device)
         st = self.stats.levels[0]
         stop = self._stop_pos()
-        grow = active & (self.seq < stop)
+        grow = active & (self.seq < stop) & ~self.gated
         if self.levels[0].kind == "ngram":
             self._draft_ngram(grow, stop, st)
         else:
@@ -395,6 +399,8 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         ready = (count >= self.gam[k - 1]) | (self.seq >= stop)
         if k == 1 and (self.levels[0].kind == "ngram" or self.levels[0].lookup):
             ready |= self.exhausted
+        if k == 1:
+            ready |= self.gated
         return ready
 
     def verify(self, k: int, active: torch.Tensor):
@@ -468,6 +474,7 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
             self.ver[i] = torch.where(part, new_seq, self.ver[i])
         if k == 1:
             self.exhausted &= ~part
+            self.gated &= ~part
         if k == self.K:
             self._eagle_drop_drafts(part)
         return new_seq

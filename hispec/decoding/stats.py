@@ -21,6 +21,7 @@ class LevelStats:
     rejections: int = 0  # row verifications that rejected one of their proposals (i.i.d. MLE: acc / (acc + rej))
     proposals: int = 0  # level 0: row draft steps that proposed anything (an n-gram may find nothing)
     lookups: int = 0  # level 0 `ngram|EXIT`: of those, the ones the n-gram lookup served (the rest: the exit)
+    gated: int = 0  # level 0 eagle3 with a draft gate: drafts computed but not proposed (below the gate)
     passes: int = 0  # batched passes (draft steps at level 0, verifications above)
     row_passes: int = 0  # the same, counted per participating row
     layer_evals: int = 0  # decoder-layer evaluations of real tokens in this level's range (+ its head layer)

@@ -12,7 +12,10 @@ Contract:
   ("training-time test", `Eagle3Drafter.ttt_logits`), each against the teacher restricted to the draft vocabulary
   and renormalised (soft cross-entropy, fp32 softmax; equal to the KL up to the teacher's entropy, as in EAGLE-3),
   step s weighted by decay**s; with per-step top-1 agreement in the *target* vocabulary (a draft outside it never
-  matches) and the chained agreement (steps 0..s all right), whose sum is the expected accepted drafts per round.
+  matches) and the chained agreement (steps 0..s all right), whose sum is the expected accepted drafts per round;
+  and, for each confidence gate g of `GATES`, what a chain that stops drafting at the first draft whose own
+  probability is below g would propose and get accepted per round (`summarize`'s `gated`: the price of every
+  draft is its verification, so a gate that drops drafts which rarely pass saves verify work for few tokens).
 - `validate_drafter_args(m, d, t)`: the run's eagle3 settings, before any model is loaded (`ConfigError`);
   `drafter_aux_layers(m, num_layers)`: its aux layer ids (`eagle3_aux_layers`, else `default_aux_layers`);
 - `sequence_items(adapter, seqs, layers)`: the same items for token sequences in memory (one frozen pass; the loss
@@ -113,6 +116,9 @@ def _draft_index(drafter) -> torch.Tensor | None:
     return index
 
 
+GATES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)  # drafter-confidence gates `ttt_loss` prices (0: the plain chain)
+
+
 def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
     """See the module docstring. `model`: a `DrafterForTraining`, possibly wrapped (DDP) by accelerate."""
     core = getattr(model, "module", model).drafter
@@ -127,13 +133,15 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
     loss = torch.zeros((), device=dev)
     sums = {"tokens": 0.0}
     chain_ok = None
+    gate_on = [None] * len(GATES)  # per gate: every draft so far confident enough to be proposed
     for s, lg in enumerate(logits):
         m = mask[:, s]
         tk, lp = topk_ids[:, s], topk_logp[:, s]
         didx = tk if index is None else index[tk]
         p = lp.exp() * (didx >= 0)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
-        logq = F.log_softmax(lg.float(), -1).gather(-1, didx.clamp_min(0))
+        lsm = F.log_softmax(lg.float(), -1)
+        logq = lsm.gather(-1, didx.clamp_min(0))
         ce_tok = -(p * logq).sum(-1)  # [N]
         n = m.sum().clamp_min(1)
         loss = loss + decay ** s * (ce_tok * m).sum() / n
@@ -146,6 +154,11 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
             sums[f"top1_{s}"] = float((ok & m).sum())
             sums[f"chain{s}"] = float((chain_ok & mask[:, 0] & m).sum())
             sums[f"chain_n{s}"] = float((mask[:, 0] & m).sum())
+            conf = lsm.max(-1).values.exp()  # the drafter's probability of its own draft
+            for g, gate in enumerate(GATES):
+                gate_on[g] = (conf >= gate) if gate_on[g] is None else gate_on[g] & (conf >= gate)
+                sums[f"gate{g}_drafted{s}"] = float((gate_on[g] & mask[:, 0] & m).sum())
+                sums[f"gate{g}_accepted{s}"] = float((gate_on[g] & chain_ok & mask[:, 0] & m).sum())
     out = DrafterLoss(loss=loss, tokens=int(sums.get("n0", 0)), sums=sums)
     _fill_rates(out, sums, len(logits))
     return out
@@ -162,12 +175,21 @@ def _fill_rates(out: DrafterLoss, sums: dict, steps: int) -> None:
 def summarize(sums: dict, steps: int) -> dict:
     """Summed `DrafterLoss.sums` (over batches, processes) -> the metrics a run records: per step `ce`, `top1`,
     `chain`, and `accepted_per_round` = sum of the chained agreements (expected drafts accepted per round of
-    `steps` greedy drafts, the first one included)."""
+    `steps` greedy drafts, the first one included); `gated`: per gate of `GATES`, drafts `drafted` and `accepted`
+    per round when drafting stops at the first draft whose probability is below the gate (gate 0: the plain
+    chain, `drafted` = `steps`, `accepted` = `accepted_per_round`)."""
     out = DrafterLoss(loss=torch.zeros(()))
     _fill_rates(out, sums, steps)
+    gated = []
+    for g, gate in enumerate(GATES):
+        per_round = {}
+        for what in ("drafted", "accepted"):
+            per_round[what] = round(sum(sums.get(f"gate{g}_{what}{s}", 0.0) / max(sums.get(f"chain_n{s}", 0.0), 1.0)
+                                        for s in range(steps)), 4)
+        gated.append({"gate": gate, **per_round})
     return {"tokens": int(sums.get("n0", 0)), "ce": [round(x, 4) for x in out.ce],
             "top1": [round(x, 4) for x in out.top1], "chain": [round(x, 4) for x in out.chain],
-            "accepted_per_round": round(sum(out.chain), 4)}
+            "accepted_per_round": round(sum(out.chain), 4), "gated": gated}
 
 
 @torch.no_grad()
