@@ -303,8 +303,6 @@ class EarlyExitModel(nn.Module):
             check_base_matches(dict(meta.get("base") or {}), self.base, where=f"the EAGLE-3 drafter in {folder}")
             # its drafts per round by default: a measured "gamma" if its files record one, else its training steps
             drafter.default_gamma = int(meta.get("gamma") or meta.get("ttt_steps") or 0) or None
-            # and the confidence gate of its chains (`generate(draft_gate=...)`), when its files record one
-            drafter.default_gate = float(meta.get("gate") or 0.0) or None
         c = drafter.config
         if (c.hidden_size, c.vocab_size, c.target_num_layers) != (
                 self.adapter.hidden_size, self.adapter.vocab_size, self.adapter.num_layers):

@@ -334,7 +334,7 @@ class Runner:
             if gated is not None:
                 name, gate = gated
             out = model.generate(ids, mask, max_new_tokens=n, strategy=tree_strategy(name) if tree else name,
-                                 tree=tree, do_sample=not cfg.greedy, draft_gate=gate if gated else None,
+                                 tree=tree, do_sample=not cfg.greedy, draft_gate=gate if gated else 0.0,
                                  verification=None if tree else rule or cfg.verification,
                                  temperature=cfg.temperature if not cfg.greedy else 1.0,
                                  gamma=gamma if gamma is not None else cfg.gamma,

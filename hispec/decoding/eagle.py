@@ -76,15 +76,16 @@ class _EagleDrafting:
         if logits is None:
             return
         token, conf = self._eagle_token(logits, grow)
+        low = torch.zeros_like(grow)
         if self.draft_gate > 0:
             low = grow & (conf < self.draft_gate)
             self.gated |= low
-            st.gated += int(low.sum())
             grow = grow & ~low
         pos = self.seq.clamp(max=self.tok.shape[1] - 1)
         self.tok.scatter_(1, pos[:, None], torch.where(grow, token, self.tok.gather(1, pos[:, None])[:, 0])[:, None])
         self.seq = self.seq + grow.long()
-        rows, entries = torch.stack([grow.sum(), n.sum()]).tolist()  # (one read from the device)
+        rows, entries, gated = torch.stack([grow.sum(), n.sum(), low.sum()]).tolist()  # (one read from the device)
+        st.gated += gated
         st.proposed += rows
         st.proposals += rows
         st.passes += 1

@@ -47,7 +47,7 @@ def generate(
     policy=None,
     tree=None,
     verification: str | None = None,
-    draft_gate: float | None = None,
+    draft_gate: float = 0.0,
 ) -> GenerationOutput:
     """Generate with an `EarlyExitModel`. `input_ids` `[B, P]` may be left-padded (give `attention_mask`).
 
@@ -74,8 +74,7 @@ def generate(
     `draft_gate`: an EAGLE-3 chain (`eagle`, `eagle-lookup`) stops drafting at the first draft the drafter itself
     gives a probability below it, and the full model verifies the drafts before it (EAGLE-2's and transformers'
     `assistant_confidence_threshold` idea for a chain; on a CPU every proposed draft costs verification work).
-    Default None: the drafter's own (`default_gate` in its metadata), else 0: the full chain. Trees and `auto`
-    ignore it (auto's latency model prices full chains).
+    Default 0: the full chain. Trees and `auto` ignore it (auto's latency model prices full chains).
 
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
     `keep_rows(idx)` that sets the per-row gammas `run.gam` (and, under a lookup-first level 0, `run.lookup_only`)
@@ -86,8 +85,6 @@ def generate(
     verification, gamma, window, ngram = _settings(model, verification, gamma, window, ngram)
     _check_sampling(max_new_tokens, do_sample, temperature, top_k, top_p)
     tree = parse_tree(tree)
-    if draft_gate is None:
-        draft_gate = getattr(getattr(model, "drafter", None), "default_gate", None) or 0.0
     if not 0.0 <= draft_gate < 1.0:
         raise ValueError(f"draft_gate must be in [0, 1), got {draft_gate!r}")
     if strategy is None:
