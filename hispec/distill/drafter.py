@@ -133,7 +133,8 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
     loss = torch.zeros((), device=dev)
     sums = {"tokens": 0.0}
     chain_ok = None
-    gate_on = [None] * len(GATES)  # per gate: every draft so far confident enough to be proposed
+    gates = torch.tensor(GATES, device=dev)
+    gate_on = None  # [N, gates]: every draft so far confident enough to be proposed under each gate
     for s, lg in enumerate(logits):
         m = mask[:, s]
         tk, lp = topk_ids[:, s], topk_logp[:, s]
@@ -155,10 +156,13 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
             sums[f"chain{s}"] = float((chain_ok & mask[:, 0] & m).sum())
             sums[f"chain_n{s}"] = float((mask[:, 0] & m).sum())
             conf = lsm.max(-1).values.exp()  # the drafter's probability of its own draft
-            for g, gate in enumerate(GATES):
-                gate_on[g] = (conf >= gate) if gate_on[g] is None else gate_on[g] & (conf >= gate)
-                sums[f"gate{g}_drafted{s}"] = float((gate_on[g] & mask[:, 0] & m).sum())
-                sums[f"gate{g}_accepted{s}"] = float((gate_on[g] & chain_ok & mask[:, 0] & m).sum())
+            above = conf[:, None] >= gates
+            gate_on = above if gate_on is None else gate_on & above
+            live = (mask[:, 0] & m)[:, None]
+            counts = torch.stack([(gate_on & live).sum(0), (gate_on & (chain_ok & mask[:, 0] & m)[:, None]).sum(0)])
+            for g, (drafted, accepted) in enumerate(zip(*counts.tolist())):  # (one read from the device)
+                sums[f"gate{g}_drafted{s}"] = float(drafted)
+                sums[f"gate{g}_accepted{s}"] = float(accepted)
     out = DrafterLoss(loss=loss, tokens=int(sums.get("n0", 0)), sums=sums)
     _fill_rates(out, sums, len(logits))
     return out
