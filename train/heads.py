@@ -13,6 +13,8 @@ two heads (`draft_layer`, `verify_layer`). Data, all optional and mixed (hispec/
 - prompts from files / a Hub dataset (`train_file`, `dataset_name`), plus `self_prompts: N` instructions the
   model writes itself (hispec/distill/self_prompts.py, resumable); with `self_distill` the model answers all of them
   (hispec/distill/answers.py, resumable, `gen_dtype: bf16` to generate in bf16) and the heads train on its answers;
+  `document_prompt_fraction: f` makes a share f of those answers the passage of a further instruction (summarise,
+  extract, answer from, rewrite, translate it) that the model answers too (hispec/distill/document_prompts.py);
 - `plain_text_file`: text distilled teacher-forced, nothing generated (whole chats, question + reference answer,
   .txt / .jsonl text); `plain_text_loss_on: assistant` limits the loss to assistant replies.
 Without a feature cache each step runs the backbone once without grad, giving the hidden states at both exits and

@@ -169,6 +169,12 @@ class DataArguments(SelfPromptArguments):
     self_distill_dir: str | None = field(
         default=None, metadata={"help": "Where answers are written/reused (default output_dir/self_distill)."}
     )
+    document_prompt_fraction: float = field(
+        default=0.0,
+        metadata={"help": "With self_distill: this share of the model's own training answers (of >= 64 tokens) "
+                          "becomes the passage of a further instruction (summarise, extract, answer from, rewrite, "
+                          "translate it) that the model answers too (hispec.distill.document_prompts); 0 = none."},
+    )
     plain_text_file: list[str] = field(
         default_factory=list,
         metadata={"help": "Files distilled teacher-forced on every position, nothing generated: chats (all turns), "

@@ -42,6 +42,7 @@ from hispec.distill.answers import generate_responses, prompts_from, read_respon
 from hispec.distill.args import (
     LR_SCHEDULES, TRAINABLE_HEADS, ConfigError, DataArguments, GenerationArguments, ModelArguments, TrainArguments,
 )
+from hispec.distill.document_prompts import answer_document_prompts
 from hispec.distill.drafter import drafter_aux_layers, validate_drafter_args
 from hispec.distill.data import LOSS_ON, DataError, builder_for, check_training_files, expand_path
 from hispec.distill.features import CachedCollator
@@ -140,6 +141,11 @@ def validate_static(m: ModelArguments, d: DataArguments, t: TrainArguments, g=No
         raise ConfigError("self_prompts are instructions for the model to answer: set self_distill: true")
     if d.self_distill and not (d.train_file or d.dataset_name or d.self_prompts):
         raise ConfigError("self_distill needs prompts: give --train_file, --dataset_name or --self_prompts N")
+    if not 0.0 <= d.document_prompt_fraction <= 1.0:
+        raise ConfigError(f"document_prompt_fraction must be in [0, 1], got {d.document_prompt_fraction}")
+    if d.document_prompt_fraction and not d.self_distill:
+        raise ConfigError("document_prompt_fraction builds prompts over the model's own answers: "
+                          "set self_distill: true")
     if d.plain_text_loss_on not in LOSS_ON:
         raise ConfigError(f"unknown plain_text_loss_on '{d.plain_text_loss_on}'; choose one of {', '.join(LOSS_ON)}")
 
@@ -365,7 +371,8 @@ def build_data(state, model, tokenizer, rows: Rows, m: ModelArguments, d: DataAr
 
     if d.self_distill:  # the model answers the prompts itself (resumable, sharded over processes)
         sd_dir = Path(expand_path(d.self_distill_dir)) if d.self_distill_dir else output_dir / "self_distill"
-        prompts = prompts_from(train_rows) + (prompts_from(eval_rows) if eval_rows is not None else [])
+        train_prompts = prompts_from(train_rows)
+        prompts = train_prompts + (prompts_from(eval_rows) if eval_rows is not None else [])
         t0 = time.time()
         n_new = generate_responses(model.base, tokenizer, prompts, sd_dir, g, rank=state.process_index,
                                    world_size=state.num_processes, seed=t.seed,
@@ -384,6 +391,14 @@ def build_data(state, model, tokenizer, rows: Rows, m: ModelArguments, d: DataAr
         if train_rows is None:
             raise ConfigError("self-distillation produced no answers for the training prompts")
         sources["answers"] = len(train_rows)
+        if d.document_prompt_fraction:  # training answers as the passages of further prompts (held-out ones never)
+            held = {p["id"] for p in prompts[len(train_prompts):]}
+            doc_rows, sources["document_prompts"] = answer_document_prompts(
+                state, model.base, tokenizer, [answers[p["id"]] for p in train_prompts
+                                               if p["id"] in answers and p["id"] not in held], sd_dir, d, g, t.seed)
+            if doc_rows:
+                train_rows = concatenate_datasets([train_rows, Dataset.from_list(doc_rows)])
+            sources["document_answers"] = len(doc_rows)
     if plain_rows is not None and eval_rows is not None:
         n_plain = len(plain_rows)
         plain_rows = tdata.drop_overlap(plain_rows, eval_rows)
