@@ -313,7 +313,7 @@ class Eagle3Drafter(nn.Module):
 
     def ttt_logits(self, aux: torch.Tensor, embed, input_ids: torch.Tensor, steps: int,
                    valid: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   select: torch.Tensor | None = None) -> list[torch.Tensor]:
+                   select: torch.Tensor | None = None, own_drafts: bool = False) -> list[torch.Tensor]:
         """Training-time test over whole (right-padded) sequences, `speculators`' semantics.
 
         aux `[B, T, A*H]`: entry j holds the aux states of position j; input_ids `[B, T]`: entry j holds token
@@ -322,7 +322,10 @@ class Eagle3Drafter(nn.Module):
         tokens x_{j+1+s} (0 past the end) and its own step s-1 states; returns `steps` logits `[B, T, draft_V]`:
         step s at entry j predicts x_{j+2+s}. select `[B, T]` bool: logits only at those entries (`[N, draft_V]`
         per step, row-major): training's loss positions. The lm_head over an 8k-49k vocabulary is most of a step's
-        work at these widths, and answers are a fraction of a padded batch (prompts and padding train nothing)."""
+        work at these widths, and answers are a fraction of a padded batch (prompts and padding train nothing).
+        `own_drafts` (greedy decoding's chains, no `select`): step s >= 1 reads the drafter's own step s-1 argmax at
+        the same entry instead of the teacher's token, as the decoder's chain does; up to a chain's first wrong
+        draft the two are the same, past it only this is the decoder's (the calibration prices gated chains)."""
         B, T = input_ids.shape
         dev = input_ids.device
         if valid is None:
@@ -343,7 +346,10 @@ class Eagle3Drafter(nn.Module):
             values.append(r.value)
             out.append(r.logits)
             hidden = r.hidden
-            ids = torch.cat([input_ids[:, s + 1:], input_ids.new_zeros(B, s + 1)], 1)
+            if own_drafts:
+                ids = self.to_target(r.logits.argmax(-1))
+            else:
+                ids = torch.cat([input_ids[:, s + 1:], input_ids.new_zeros(B, s + 1)], 1)
         return out
 
     def extra_repr(self) -> str:

@@ -37,8 +37,14 @@ def test_drafter_rounds_count_as_the_decoder_verifies():
     pred[0][1], pred[1][1], pred[2][1] = 11, 12, 99  # round 1 (entry P + 1 - 2 = 1): 2 accepted, then rejected
     pred[0][4], pred[1][4] = 14, 15  # round 2: the model's token was answer token 3, drafts start at token 4
     # (entry 4): both accepted, then the answer ends (censored: no rejection)
-    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 3) == (4, 5, 1)
-    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 1) == (2, 3, 1)  # gamma 1: one draft per round
+    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 3) == (4, 5, 1, 5)
+    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 1) == (2, 3, 1, 3)  # gamma 1: one draft per round
+    # a confidence gate 0.5: round 1 stops at its second draft (0.3: that pass spent, one draft proposed and
+    # accepted, no rejection); round 2 (entry 3) proposes 3 wrong drafts; round 3 (entry 4) two right ones
+    conf = [[0.9] * 8 for _ in range(3)]
+    conf[1][1] = 0.3
+    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 3, conf, 0.5) == (3, 6, 1, 7)
+    assert latency.drafter_rounds(pred, 2, answer, answer[1:], 3, conf, 0.2) == (4, 5, 1, 5)  # nothing below 0.2
 
 
 def test_calibrated_acceptance_equals_the_decoders_own_rounds():
@@ -159,13 +165,15 @@ def test_auto_plans_the_drafter_where_it_pays_and_not_where_it_does_not():
                    for i, lv in enumerate(choice.levels))
 
 
-def _drafter_priors(model, eagle=0.9, ngram=0.0, match=0.0, prompts=None):
-    """Priors (and a real model's cost shape) under which auto drafts with the drafter."""
+def _drafter_priors(model, eagle=0.9, ngram=0.0, match=0.0, prompts=None, gate=0.0):
+    """Priors (and a real model's cost shape) under which auto drafts with the drafter; `gate` > 0: its chains
+    priced (and run) with that confidence gate, passed by 70% of draft steps."""
     cal = _calibrated(model, lambda k: {"eagle3>full": eagle, "ngram>full": ngram}.get(k, 0.0), match,
                       prompts=prompts or ([5, 6, 7, 8, 9, 5, 6],), realistic=True)
     Ts = list(cal.costs["layer"])
+    gates = {"drafter_gates": {f"{gate:g}": {"acceptance": eagle, "pass": 0.7}}, "drafter_gate": gate} if gate else {}
     cal = dataclasses.replace(cal, costs={**cal.costs, "drafter": {T: 2e-4 * (1 + 0.02 * min(int(T), 32))
-                                                                 for T in Ts}},  # (flat far out, as the layers)
+                                                                 for T in Ts}, **gates},  # (flat far out)
                               model={**cal.model, "drafter": latency.drafter_identity(model.drafter)},
                               acceptance={**cal.acceptance, "eagle3>full": eagle}, topk=None)  # (no exit trees)
     model.hispec_config.calibration = cal.to_dict()
@@ -184,8 +192,13 @@ def test_auto_with_the_drafter_is_greedy_identical_for_every_family(family):
         out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
         assert torch.equal(out.sequences, ref), want
         assert out.stats.strategy == want and out.stats.levels[0].proposed > 0
-        gated = model.generate(ids, am, max_new_tokens=17, strategy="auto", draft_gate=0.5)  # auto prices full
-        assert torch.equal(gated.sequences, ref) and gated.stats.levels[0].gated == 0  # chains: the gate is off
+        gated = model.generate(ids, am, max_new_tokens=17, strategy="auto", draft_gate=0.5)  # auto runs its
+        assert torch.equal(gated.sequences, ref) and gated.stats.levels[0].gated == 0  # calibration's gate: 0
+        _drafter_priors(model, ngram=ngram, match=match, gate=0.5)  # a calibration that chose gate 0.5
+        gated = model.generate(ids, am, max_new_tokens=17, strategy="auto")
+        assert torch.equal(gated.sequences, ref) and gated.stats.strategy == want
+        lv0 = gated.stats.levels[0]  # its chains stopped at drafts below 0.5 (where the drafter drafted at all)
+        assert lv0.gated > 0 if want == "auto:eagle3>full" else lv0.gated > 0 or lv0.passes == 0
     # measured (not forced) priors: whatever auto picks, the output is the same
     model.hispec_config.calibration = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1,
                                                         max_gamma=4, ngram=NgramConfig()).to_dict()
@@ -217,11 +230,13 @@ def _start_plain(monkeypatch, lookup: bool = True, topk: bool = False, shadow_ev
     return calls
 
 
-@pytest.mark.parametrize("shadowed", [False, True], ids=["priors", "from-plain"])
+@pytest.mark.parametrize("shadowed,gate", [(False, 0.0), (True, 0.0), (False, 0.6)],
+                         ids=["priors", "from-plain", "gated"])
 @pytest.mark.parametrize("lookup", [False, True], ids=["eagle3", "ngram|eagle3"])
-def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, shadowed, monkeypatch):
+def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, shadowed, gate, monkeypatch):
     """`from-plain`: every row starts sure the drafter never agrees and climbs back by shadow measurements (the
-    drafter's exact acceptance probability, its context caught up), every plain verification."""
+    drafter's exact acceptance probability, its context caught up), every plain verification. `gated`: a
+    calibration that chose confidence gate 0.6 for the drafter's chains, which auto then runs."""
     calls = _start_plain(monkeypatch) if shadowed else []
     model = _tiny_vocab_model()
     d = Eagle3Drafter(Eagle3Config.for_target(model.base.config))
@@ -229,7 +244,7 @@ def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, s
         d.lm_head.weight.mul_(30)  # a confident drafter, clearly different from the target
     model.attach_drafter(d)
     cal = _drafter_priors(model, eagle=0.6, ngram=0.7 if lookup else 0.0, match=0.5 if lookup else 0.0,
-                          prompts=([1, 3, 2],))
+                          prompts=([1, 3, 2],), gate=gate)
     chain = decoding._auto_chain(model, cal, gamma=1, window=1, ngram=NgramConfig())
     assert [lv.name for lv in chain] == [(LOOKUP if lookup else "") + EAGLE, FULL]
     prompt, n, warp = [1, 3, 2], 3, dict(temperature=0.8)
@@ -241,6 +256,7 @@ def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, s
     assert out.stats.strategy.startswith("auto:")
     if shadowed:
         assert calls
+    assert (out.stats.levels[0].gated > 0) == (gate > 0)
     if not (shadowed and lookup):  # (from plain, a lookup-first level climbs back too slowly for 3 tokens)
         assert 0 < lv.accepted < lv.proposed  # drafts accepted and rejected
 

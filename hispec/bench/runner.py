@@ -586,8 +586,14 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:
-        if s in HF_STRATEGIES or gate_of(s) is not None:  # (gated chains are not modelled)
+        if s in HF_STRATEGIES:
             continue
+        c = cal.with_gate(0)  # (fixed strategies run full chains; `auto` its calibration's gate)
+        if gate_of(s) is not None:  # a gated chain: priced where the calibration measured that gate
+            try:
+                c = cal.with_gate(gate_of(s)[1])
+            except latency.CalibrationError:
+                continue
         tree = tree_of(s)
         if tree is not None:  # static trees from the calibration's top-k rates (dynamic trees are not modelled)
             drafter = tree_strategy(s).startswith("eagle")
@@ -604,13 +610,13 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
                                  trees=_auto_trees(not config.greedy, rule or config.verification or hc.verification))
             out[s] = plain / min(t, plain)
             continue
-        levels = build_levels(model, parse_hierarchy(name, model), **kw)
+        levels = build_levels(model, parse_hierarchy(gate_of(name)[0] if gate_of(name) else name, model), **kw)
         names, gammas = [lv.name for lv in levels], [lv.threshold for lv in levels[:-1]]
         if not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)
-            fns[s] = (lambda names, gs: lambda obs: plain / latency.time_per_token(
-                names, gs, cal, acceptance={k: v for k, v in obs.items() if k != "ngram_match" and v is not None},
-                ngram_match=obs.get("ngram_match")))(names, gammas)
-        out[s] = plain / latency.time_per_token(names, gammas, cal)
+            fns[s] = (lambda names, gs, c: lambda obs: plain / latency.time_per_token(
+                names, gs, c, acceptance={k: v for k, v in obs.items() if k != "ngram_match" and v is not None},
+                ngram_match=obs.get("ngram_match")))(names, gammas, c)
+        out[s] = plain / latency.time_per_token(names, gammas, c)
     return out, fns
 
 

@@ -74,10 +74,10 @@ class _AutoPolicy:
         # its exit's (estimated in acc/rej, like any exit) and the n-gram's (in lacc/lrej)
         self.pairs = [level_pairs(a, b) for a, b in zip(self.names, self.names[1:])]
         self.lookup = bool(chain[0].lookup)
-        prior = [float(cal.acceptance.get(p[0], 0.0)) for p in self.pairs]
+        prior = [float(cal.rate(p[0]) or 0.0) for p in self.pairs]  # (the drafter's: at the calibration's gate)
         self.acc = torch.tensor([[self.PRIOR * p for p in prior]] * B, dtype=torch.float64).reshape(B, K)
         self.rej = torch.tensor([[self.PRIOR * (1 - p) for p in prior]] * B, dtype=torch.float64).reshape(B, K)
-        p_ng = float(cal.acceptance.get(self.pairs[0][1], 0.0)) if self.lookup else 0.0
+        p_ng = float(cal.rate(self.pairs[0][1]) or 0.0) if self.lookup else 0.0
         self.lacc = torch.full((B,), self.PRIOR * p_ng, dtype=torch.float64)
         self.lrej = torch.full((B,), self.PRIOR * (1 - p_ng), dtype=torch.float64)
         match = float(getattr(cal, "ngram_match", 0.0) or 0.0)
@@ -100,6 +100,14 @@ class _AutoPolicy:
         self.guard = _PlainGuard()  # measured floor: the batch decodes plainly where its speculation loses
 
     ROW_STATE = ("acc", "rej", "lacc", "lrej", "hit", "miss", "lowest", "khit", "kseen")
+
+    @property
+    def draft_gate(self) -> float:
+        """The confidence gate the run's drafter chains stop at (`_Run.draft_gate`): the calibration's, which its
+        latency model prices them with (`Calibration.drafter_gate`), for chains of an EAGLE-3 drafter; else 0.
+        The drafter's acceptance counted here is then its gated chains', as the calibration's rate at that gate
+        is (a switched-off drafter's shadow step is not gated: a row climbs back a little later than it could)."""
+        return self.cal.drafter_gate if self.chain[0].kind == "eagle3" and self.tree is None else 0.0
 
     # ---------------------------------------------------------------- estimates
     def _update(self, i: int | None, rows: torch.Tensor, accepted: torch.Tensor, rejected: torch.Tensor):

@@ -74,7 +74,8 @@ def generate(
     `draft_gate`: an EAGLE-3 chain (`eagle`, `eagle-lookup`) stops drafting at the first draft the drafter itself
     gives a probability below it, and the full model verifies the drafts before it (EAGLE-2's and transformers'
     `assistant_confidence_threshold` idea for a chain; on a CPU every proposed draft costs verification work).
-    Default 0: the full chain. Trees and `auto` ignore it (auto's latency model prices full chains).
+    Default 0: the full chain. Trees ignore it; `auto` ignores it too and runs the gate its calibration chose
+    (`Calibration.drafter_gate`: the one its latency model predicts fastest, often 0).
 
     `policy` (advanced): an object with `choose(run)`, `observe(run, k, part, m, a, new, probs)` and
     `keep_rows(idx)` that sets the per-row gammas `run.gam` (and, under a lookup-first level 0, `run.lookup_only`)
@@ -94,7 +95,7 @@ def generate(
     if tree is not None:
         _check_tree_options(tree, levels, max_new_tokens, policy, do_sample, explicit_verification)
     if policy_cal is not None or tree is not None or levels[0].kind != "eagle3":
-        draft_gate = 0.0  # chains of the drafter only; `auto` prices full chains (its latency model), not gated ones
+        draft_gate = 0.0  # chains of the drafter only; `auto` runs its calibration's gate (`_AutoPolicy.draft_gate`)
     dev = model.device
     input_ids, prompts = _prompts(model, input_ids, attention_mask, max_new_tokens)
     eos, pad_token_id = _eos_and_pad(model, eos_token_id, pad_token_id)

@@ -22,7 +22,8 @@ import torch
 from .. import packed
 from ..io import cpu_model, write_json  # noqa: F401  (cpu_model: re-exported)
 from ..ngram import NgramConfig
-from .model import EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, interp, level_name, lookup_exit, time_per_token
+from .model import (EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, gate_key, interp, level_name, lookup_exit,
+                    time_per_token)
 
 CALIBRATION_VERSION = 1
 
@@ -98,7 +99,9 @@ class Calibration:
     over T entries; `model["drafter"]` then names that drafter, `drafter_identity`), "drafter_overhead" and
     "drafter_verify_overhead" (s per pass, fitted on real `eagle` runs; absent = 0), "tree_overhead" (s per static
     tree round, fitted on real tree runs; absent = 0), "position_overhead" (s per verified position past the first,
-    fitted on real `ngram` runs; absent = 0), all shared by a batch's rows like `step_overhead`;
+    fitted on real `ngram` runs; absent = 0), all shared by a batch's rows like `step_overhead`; with a drafter,
+    "drafter_gates" (per confidence gate measured: its chains' acceptance and pass rate) and "drafter_gate" (the one
+    chains are priced and `auto` runs with; absent = 0, full chains);
     `acceptance`: {"ngram>L4": a, "L4>L8": a, "L4>full": a, "eagle3>full": a, ...} for every pair lower < upper; `ngram_match`: the
     share of the n-gram level's rounds whose lookup proposes anything; `measured`: tokens/s per strategy where a run
     measured them (optional). Treat an instance as immutable: `best_gammas` memoises on it."""
@@ -139,6 +142,43 @@ class Calibration:
             return drafter + exits + [FULL]
         return [NGRAM] + drafter + exits + [LOOKUP + e for e in drafter + exits] + [FULL]
 
+    # ------------------------------------------------------------------ the drafter's confidence gate
+    @property
+    def drafter_gate(self) -> float:
+        """The confidence gate the drafter's chains are priced (and `auto` runs them) with: a chain stops at the
+        first draft whose probability under the drafter is below it (`generate(draft_gate=)`); 0 = full chains.
+        `calibrate` keeps the gate of `drafter_gates` (or 0) that `auto_plan` is predicted fastest with."""
+        return float(self.costs.get("drafter_gate") or 0.0)
+
+    @property
+    def drafter_gates(self) -> dict:
+        """{"0.3": {"acceptance": a, "pass": q, ...}, ...}: per gate measured, the acceptance of the drafts a gated
+        chain proposes and the share of draft steps that pass the gate (a step below it ends the chain)."""
+        return self.costs.get("drafter_gates") or {}
+
+    @property
+    def drafter_pass(self) -> float:
+        """The share of the drafter's steps that pass `drafter_gate` (1.0 ungated)."""
+        g = self.drafter_gate
+        return float(self.drafter_gates[gate_key(g)]["pass"]) if g > 0 else 1.0
+
+    def with_gate(self, gate: float) -> Calibration:
+        """This calibration pricing the drafter's chains at `gate` (0: full chains; else one of `drafter_gates`)."""
+        gate = float(gate)
+        if gate == self.drafter_gate:
+            return self
+        if gate > 0 and gate_key(gate) not in self.drafter_gates:
+            raise CalibrationError(f"no drafter gate {gate:g} in this calibration (it measured "
+                                   f"{', '.join(self.drafter_gates) or 'none'})")
+        return replace(self, costs={**self.costs, "drafter_gate": gate})
+
+    def rate(self, key: str) -> float | None:
+        """The acceptance rate of a pair ("L4>full"): the drafter's at its gate where one is set, else as
+        measured; None when not measured."""
+        if key == f"{EAGLE}>{FULL}" and self.drafter_gate > 0:
+            return float(self.drafter_gates[gate_key(self.drafter_gate)]["acceptance"])
+        return self.acceptance.get(key)
+
     @property
     def has_drafter(self) -> bool:
         """Whether this calibration prices an EAGLE-3 drafter (its cost curve and its acceptance under "full")."""
@@ -148,7 +188,7 @@ class Calibration:
         """This calibration with the drafter's figures removed (for a model whose drafter it did not measure)."""
         if not self.has_drafter and "drafter" not in self.costs:
             return self
-        costs = {k: v for k, v in self.costs.items() if k != "drafter"}
+        costs = {k: v for k, v in self.costs.items() if k not in ("drafter", "drafter_gate", "drafter_gates")}
         acceptance = {k: v for k, v in self.acceptance.items() if EAGLE not in k}
         model = {k: v for k, v in self.model.items() if k != "drafter"}
         return replace(self, costs=costs, acceptance=acceptance, model=model)
@@ -282,6 +322,10 @@ class Calibration:
                     costs[name] = float(c[name])
             if c.get("drafter"):
                 costs["drafter"] = _int_keys(c["drafter"])
+            if c.get("drafter_gates"):  # (since session 30)
+                costs["drafter_gates"] = {gate_key(float(g)): {k: float(v) for k, v in o.items()}
+                                          for g, o in c["drafter_gates"].items()}
+                costs["drafter_gate"] = float(c.get("drafter_gate") or 0.0)
             model = dict(d["model"])
             model["exits"] = {k: int(v) for k, v in model.get("exits", {}).items()}
             return cls(machine=dict(d["machine"]), dtype=str(d["dtype"]), threads=int(d["threads"]), model=model,

@@ -4,7 +4,7 @@ Contract: `calibrate(model, prompts)` times the model's greedy answers, counts a
 along them (top-1 agreement per pair of levels, top-k per exit for trees, the n-gram's decoder rounds by
 `ngram_rounds`), times the unit costs (`hispec.latency.timing`), fits the decoder's own per-layer factor and
 per-pass overhead (`fit_decoder_costs`) and, unless given a config, keeps the one of NGRAM_CANDIDATES that
-`auto_plan` is predicted fastest with; its docstring gives the steps. Within a time budget (`max_seconds`,
+`auto_plan` is predicted fastest with, and the drafter's confidence gate likewise; its docstring gives the steps. Within a time budget (`max_seconds`,
 `hispec.latency.budget`) it answers fewer prompts, counts along fewer answers, times fewer repeats and runs fewer
 (or no) draft-step runs rather than run past it, and records what it left out (`Calibration.budget`). Every timer
 waits for the device's queued work (`hispec.timing`). It returns the calibration; storing it in a checkpoint is
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -25,8 +25,8 @@ from ..ngram import NgramConfig, propose
 from ..prompts import Prompt, render
 from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
-from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, _pass_cost, acceptance_from_counts, level_name,
-                    pair_key)
+from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, _pass_cost, acceptance_from_counts, gate_key,
+                    level_name, pair_key)
 from .plans import auto_plan
 from .timing import measure_costs
 from .trees import MAX_TREE_WIDTH, TREE_ROWS, tree_round_seconds
@@ -36,6 +36,9 @@ from .trees import MAX_TREE_WIDTH, TREE_ROWS, tree_round_seconds
 # an acceptance of 0.39, min_ngram 2 15% at 0.61, and auto's predicted speedup goes 1.38x -> 1.45x (a one-token
 # match is mostly noise, and under a lookup-first exit it takes the round from the exit's better draft)
 NGRAM_CANDIDATES = tuple(NgramConfig(3, n, k) for k in (8, 4) for n in (1, 2, 3))
+# the confidence gates on the drafter's chains `calibrate` measures and chooses from (0, full chains, besides)
+DRAFT_GATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+GATE_MIN_GAIN = 0.01  # a gate is kept only when auto's plan is predicted >= 1% faster with it than with full chains
 
 
 def _calibration_contexts(model, name: str, states: dict, T: int, gen: torch.Generator) -> dict:
@@ -120,23 +123,32 @@ def _walk(prop, j: int, answer: list[int], upper_argmax: list[int]) -> tuple[int
 
 
 def drafter_rounds(pred: list[list[int]], P: int, answer: list[int], upper_argmax: list[int],
-                   gamma: int) -> tuple[int, int, int]:
+                   gamma: int, conf: list[list[float]] | None = None, gate: float = 0.0) -> tuple[int, int, int, int]:
     """The rounds an EAGLE-3 drafter runs under the full model along a known greedy answer, as the decoder would:
     `gamma` drafts from the verified prefix, walked against the model's argmax until the first mismatch (one
     rejection), then the model's own token. `pred[s][e]` is the drafter's step-s draft (a target id) from entry e
-    of its training-time-test pass (`Eagle3Drafter.ttt_logits` over prompt + answer: entry e reads the states of
-    position e and predicts position e + 2 + s), so a round whose first draft is answer token j reads entry
+    of its training-time-test pass over its own drafts (`Eagle3Drafter.ttt_logits(own_drafts=True)` over prompt +
+    answer: entry e reads the states of position e and predicts position e + 2 + s; each step reads the previous
+    step's draft, as the decoder's chain does), so a round whose first draft is answer token j reads entry
     P + j - 2 (answer token 0 comes from prefill). `upper_argmax[q - 1]` is the model's argmax for answer token q.
-    Returns (accepted, proposed, rejections); a walk that leaves the answer or runs past it is censored."""
+    With a confidence `gate` > 0 (`conf[s][e]`: the largest probability of that draft's distribution) a chain stops
+    at the first step below it, that pass spent and nothing proposed (the decoder's `draft_gate`).
+    Returns (accepted, proposed, rejections, drafter passes); a walk that leaves the answer or runs past it is
+    censored."""
     N, gamma = len(answer), min(gamma, len(pred))
-    acc = proposed = rej = 0
+    acc = proposed = rej = passes = 0
     j = 1
     while j < N:
-        prop = [pred[s][P + j - 2] for s in range(min(gamma, N - j))]  # (drafts past the answer: never made)
+        prop = []
+        for s in range(min(gamma, N - j)):  # (drafts past the answer: never made)
+            passes += 1
+            if gate > 0 and conf[s][P + j - 2] < gate:
+                break
+            prop.append(pred[s][P + j - 2])
         a, r = _walk(prop, j, answer, upper_argmax)
         acc, proposed, rej = acc + a, proposed + len(prop), rej + r
         j += a + 1
-    return acc, proposed, rej
+    return acc, proposed, rej, passes
 
 
 def fit_decoder_costs(step: float | None, draft: float | None, *, L: int, e: int, layer: float, final: float,
@@ -286,6 +298,8 @@ class _Counts:
     lookups: list = field(default_factory=list)
     positions: int = 0
     drafter: list = field(default_factory=lambda: [0, 0, 0])  # an EAGLE-3 drafter's [accepted, proposed, rejections]
+    # its gated chains' per gate: [accepted, proposed, rejections, drafter passes]
+    drafter_gates: dict = field(default_factory=lambda: {g: [0, 0, 0, 0] for g in DRAFT_GATES})
 
     def __post_init__(self):
         self.agree = {pair_key(a, b): [0, 0] for i, a in enumerate(self.levels) for b in self.levels[i + 1:]}
@@ -297,7 +311,10 @@ class _Counts:
         N = len(ans)
         if EAGLE in arg:
             counts = drafter_rounds(arg[EAGLE], P, ans, arg[FULL], DEFAULT_MAX_GAMMA)
-            self.drafter = [a + b for a, b in zip(self.drafter, counts)]
+            self.drafter = [a + b for a, b in zip(self.drafter, counts[:3])]
+            for g, tally in self.drafter_gates.items():
+                counts = drafter_rounds(arg[EAGLE], P, ans, arg[FULL], DEFAULT_MAX_GAMMA, arg[EAGLE, "conf"], g)
+                self.drafter_gates[g] = [a + b for a, b in zip(tally, counts)]
         for lv, idx in top.items():  # the model's argmax among the exit's top-k, k = 1..MAX_TREE_WIDTH
             full_arg = torch.tensor(arg[FULL], device=idx.device)[:, None]
             hit = (idx == full_arg).cumsum(-1).clamp(max=1).sum(0).tolist()
@@ -339,8 +356,9 @@ def _teacher_forced(model, ids: list[int], ans: list[int], draw: torch.Generator
         if drafter is not None and P + N >= 2:  # its drafts per step from every entry (training-time test)
             fused_in = torch.cat([aux[i] for i in aux_ids], -1)[:, :-1]
             embed = model.base.get_input_embeddings()
-            logits = drafter.ttt_logits(fused_in, embed, seq[:, 1:], DEFAULT_MAX_GAMMA)
+            logits = drafter.ttt_logits(fused_in, embed, seq[:, 1:], DEFAULT_MAX_GAMMA, own_drafts=True)
             arg[EAGLE] = [drafter.to_target(x[0].argmax(-1)).tolist() for x in logits]
+            arg[EAGLE, "conf"] = [torch.softmax(x[0].float(), -1).amax(-1).tolist() for x in logits]  # (gates)
             # its step-0 top-k where the model's argmax is arg[FULL]: entry j predicts token j + 2 (trees' r(k))
             step0 = logits[0][0, P - 1: P + N - 2]
             top[EAGLE] = drafter.to_target(step0.topk(min(MAX_TREE_WIDTH, step0.shape[-1]), dim=-1).indices)
@@ -442,6 +460,10 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
        a verification costs per position past the first beyond the timed units (`position_overhead`, fitted
        first: every pass over T positions pays it T - 1 times; `fit_position_overhead`).
 
+    5. of the n-gram configs, the one `auto_plan` is predicted fastest with (`_choose_ngram`); 6. with a drafter,
+    its chains gated at each of DRAFT_GATES counted along the same answers and the gate auto's plan is predicted
+    fastest with kept (`_choose_gate`, `Calibration.drafter_gate`; 0 unless it gains >= GATE_MIN_GAIN).
+
     `max_seconds` (None: no limit) bounds the whole call: steps 1-4 get 45%, 60%, 90% and 100% of it by then
     (`hispec.latency.budget.STEPS`), and each takes on no unit of work (an answer, a counted answer, a round of
     repeats, a draft-step run) that would end past its share; the first answer, the first counted answer and one
@@ -479,6 +501,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
         _fit_round_costs(model, ids_list[:3], max_new_tokens, budget, step, progress, max_gamma,
                          lambda: Calibration(**base, acceptance={}))
     cal = _choose_ngram(base, counts, min(5, max_new_tokens), progress)
+    cal = _choose_gate(cal, counts, min(5, max_new_tokens))
     cal.budget = budget.report()
     return cal
 
@@ -510,3 +533,28 @@ def _choose_ngram(base: dict, counts: _Counts, max_depth: int, progress: bool = 
                         "seconds_per_token": auto_plan(cal, max_depth=max_depth).seconds_per_token})
     best = min(range(len(counts.configs)), key=lambda c: options[c]["seconds_per_token"])
     return with_config(best, options)
+
+
+def _choose_gate(cal: Calibration, counts: _Counts, max_depth: int) -> Calibration:
+    """Step 6 (with a drafter): the gated chains' figures per gate measured (`Calibration.drafter_gates`: the
+    acceptance of what they propose, the share of draft steps that pass, and auto's predicted time per token with
+    that gate), and the gate auto's plan is predicted fastest with, if >= GATE_MIN_GAIN faster than full chains
+    (else 0). Where a verification of several positions is expensive (fp32 on a CPU) stopping at an unlikely draft
+    saves more than it loses; where it is nearly free, full chains win and the gate stays 0."""
+    if not cal.has_drafter:
+        return cal
+    gates = {}
+    for g, (acc, proposed, rej, passes) in sorted(counts.drafter_gates.items()):
+        if passes:
+            gates[gate_key(g)] = {"acceptance": acceptance_from_counts(acc, proposed, rej) or 0.0,
+                                  "pass": proposed / passes, "proposed": proposed, "passes": passes}
+    if not gates:
+        return cal
+    base = replace(cal, costs={**cal.costs, "drafter_gates": gates, "drafter_gate": 0.0})
+    plain = auto_plan(base, max_depth=max_depth).seconds_per_token
+    best, best_t = 0.0, plain * (1 - GATE_MIN_GAIN)
+    for key, entry in gates.items():
+        entry["seconds_per_token"] = auto_plan(base.with_gate(float(key)), max_depth=max_depth).seconds_per_token
+        if entry["seconds_per_token"] < best_t:
+            best, best_t = float(key), entry["seconds_per_token"]
+    return base.with_gate(best)

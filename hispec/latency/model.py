@@ -63,6 +63,15 @@ o_d (`drafter_overhead`) and o_v = o + `drafter_verify_overhead` are what the de
 verifications (which capture the aux layers) cost beyond the timed units, fitted on real `eagle` runs by
 `calibrate` (0 in calibrations that did not measure them); every verification of a drafter hierarchy pays o_v.
 
+A confidence gate g on the drafter's chains (`Calibration.drafter_gate`; the decoder's `draft_gate`): each draft
+step passes it with probability q (`Calibration.drafter_pass`, measured along the model's answers), else the chain
+ends there (that drafter pass is spent, nothing proposed), and a proposed draft is accepted with rate a_g, the
+gated chains' own (higher than the full chains': the drafts below the gate are the likely rejections). A round of
+at most g' drafts then proposes j < g' drafts with probability q^j (1 - q) in j + 1 passes, or all g' with q^g' in
+g' passes (`gated_rounds`); every term above that depends on the round (drafter passes, lookups tried, V_0k(j+1),
+E(a_g, j)) is replaced by its expectation over j, the cost and the yield separately (a renewal-reward ratio again).
+q = 1 (no gate) is the full chain, so the formulas above are the special case.
+
 How this follows Globerson et al. ("Fast Inference via Hierarchical Speculative Decoding", arXiv 2510.19705), and
 where it differs: as there, each level's expected output per verification is E(a, g) under i.i.d. acceptance, the
 per-token latency of a hierarchy is a recursion over its levels, and T_k is an increasing affine function of T_i
@@ -150,6 +159,11 @@ def level_pairs(lower: str, upper: str) -> list[str]:
     return [pair_key(lower, upper)] if exit_level is None else [pair_key(exit_level, upper), pair_key(NGRAM, upper)]
 
 
+def gate_key(gate: float) -> str:
+    """A confidence gate as a calibration's key: 0.3 -> "0.3"."""
+    return f"{float(gate):g}"
+
+
 def level_name(layer: int) -> str:
     return f"L{int(layer)}"
 
@@ -179,12 +193,26 @@ def interp(table: dict, T: int) -> float:
 
 # ---------------------------------------------------------------------------------------------- the model
 def _alpha(cal: Calibration, acceptance: dict | None, key: str) -> float:
-    """The acceptance rate of the pair `key` ("L4>full"): `acceptance`'s, else the calibration's."""
+    """The acceptance rate of the pair `key` ("L4>full"): `acceptance`'s, else the calibration's (the drafter's at
+    the calibration's gate, `Calibration.rate`)."""
     if acceptance and acceptance.get(key) is not None:
         return float(acceptance[key])
-    if key not in cal.acceptance:
+    rate = cal.rate(key)
+    if rate is None:
         raise CalibrationError(f"no acceptance rate for {key} in the calibration (it has {sorted(cal.acceptance)})")
-    return float(cal.acceptance[key])
+    return float(rate)
+
+
+def gated_rounds(alpha: float, gamma: int, q: float) -> list[tuple[float, int, int, float]]:
+    """The rounds of a gated chain of at most `gamma` drafts: each draft step passes the gate with probability `q`
+    (else the chain ends there, its pass spent), a proposed draft is accepted with probability `alpha` (i.i.d.).
+    -> [(probability, drafts proposed j, drafter passes, expected tokens E(alpha, j))] for j = 0..gamma; q = 1:
+    the full chain [(1, gamma, gamma, E(alpha, gamma))]."""
+    q = min(max(float(q), 0.0), 1.0)
+    if q >= 1.0:
+        return [(1.0, gamma, gamma, expected_tokens(alpha, gamma))]
+    out = [(q ** j * (1 - q), j, j + 1, expected_tokens(alpha, j)) for j in range(gamma)]
+    return out + [(q ** gamma, gamma, gamma, expected_tokens(alpha, gamma))]
 
 
 def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float:
@@ -228,17 +256,24 @@ def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acce
     """T_upper from T_lower (increasing affine in t_lower; see the module docstring)."""
     o = cal.step_overhead + (cal.drafter_verify_overhead if is_drafter(lower) else 0.0)  # (per verification)
     alpha = _alpha(cal, acceptance, level_pairs(lower, upper)[0])
-    E = expected_tokens(alpha, g)
+    if is_drafter(lower):  # its chains, gated at the calibration's gate: expectations over where they stop
+        rounds = gated_rounds(alpha, g, cal.drafter_pass)
+        E = sum(p * e for p, _, _, e in rounds)
+        passes = sum(p * k for p, _, k, _ in rounds)
+        verify = sum(p * _pass_cost(cal, lower, upper, j + 1) for p, j, _, _ in rounds)
+    else:
+        E, passes = expected_tokens(alpha, g), g
+        verify = _pass_cost(cal, lower, upper, g + 1)
     if lookup_exit(lower) is not None:
         m, c, n = min(max(match, 0.0), 1.0), cal.ngram_cost, cal.ngram_max_len
         a_n = _alpha(cal, acceptance, pair_key(NGRAM, upper))
         served = o + _pass_cost(cal, None, upper, n + 1)  # the lookup's n tokens verified in one pass
-        drafted = g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o  # the exit's g tokens, then verified
+        drafted = passes * t_lower + verify + o  # the exit's g tokens, then verified
         E_n = expected_tokens(a_n, n)
         context = _drafter_context(cal, m * E_n + (1 - m) * (E - 1)) if is_drafter(lower) else 0.0
-        return ((m + (1 - m) * g) * c + m * served + (1 - m) * drafted + context) / (m * E_n + (1 - m) * E)
+        return ((m + (1 - m) * passes) * c + m * served + (1 - m) * drafted + context) / (m * E_n + (1 - m) * E)
     if lower == EAGLE:
-        return (g * t_lower + _drafter_context(cal, E - 1) + _pass_cost(cal, None, upper, g + 1) + o) / E
+        return (passes * t_lower + _drafter_context(cal, E - 1) + verify + o) / E
     if lower == NGRAM:
         m = min(max(match, 0.0), 1.0)
         return ((t_lower + o + m * _pass_cost(cal, None, upper, g + 1) + (1 - m) * _pass_cost(cal, None, upper, 1))

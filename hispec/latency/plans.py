@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, _best_chain, best_hierarchy, level_name,
+from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, _best_chain, best_hierarchy, gate_key, level_name,
                     pair_key, time_per_token)
 from .trees import best_tree
 
@@ -92,8 +92,13 @@ def predictions(cal: Calibration, max_gamma: int = DEFAULT_MAX_GAMMA, fixed: dic
         return {"name": name, "levels": list(levels), "gammas": list(gammas), "seconds_per_token": t,
                 "tokens_per_second": 1 / t, "speedup_vs_plain": plain / t}
 
-    for name, levels in named_hierarchies(cal).items():
-        t, gm = (plain, []) if levels == [FULL] else _best_chain(cal, levels, None, cal.ngram_match, max_gamma)
+    full_chains = cal.with_gate(0)  # (the named strategies run the drafter's full chains)
+    named = [(name, levels, full_chains) for name, levels in named_hierarchies(cal).items()]
+    if cal.drafter_gate > 0:  # and with the gate the calibration chose, as `auto` runs them
+        named += [(f"{name}-gate:{gate_key(cal.drafter_gate)}", levels, cal) for name, levels, _ in named
+                  if name in ("eagle", "eagle-lookup")]
+    for name, levels, c in named:
+        t, gm = (plain, []) if levels == [FULL] else _best_chain(c, levels, None, cal.ngram_match, max_gamma)
         rows.append(row(name, levels, gm, t))
     for name, (levels, gammas) in (fixed or {}).items():
         rows.append(row(name, levels, gammas, time_per_token(levels, gammas, cal)))
@@ -122,6 +127,15 @@ def format_predictions(cal: Calibration, rows: list[dict]) -> str:
         opts = ", ".join(f"{_ngram_label(o['config'])} {plain / o['seconds_per_token']:.2f}x"
                          for o in cal.ngram_options)
         lines.append(f"n-gram config {_ngram_label(cal.ngram)} chosen by auto's predicted speedup ({opts})")
+    if cal.drafter_gates:
+        plain = cal.plain_seconds_per_token()
+        full = auto_plan(cal.with_gate(0)).seconds_per_token
+        opts = ", ".join([f"0 {plain / full:.2f}x"] + [f"{k} {plain / o['seconds_per_token']:.2f}x (pass "
+                                                        f"{o['pass']:.2f}, acceptance {o['acceptance']:.2f})"
+                                                        for k, o in cal.drafter_gates.items()
+                                                        if "seconds_per_token" in o])
+        lines.append(f"drafter confidence gate {gate_key(cal.drafter_gate)} chosen by auto's predicted speedup "
+                     f"({opts})")
     return "\n".join(lines)
 
 
