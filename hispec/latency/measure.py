@@ -4,11 +4,11 @@ Contract: `calibrate(model, prompts)` times the model's greedy answers, counts a
 along them (top-1 agreement per pair of levels, top-k per exit for trees, the n-gram's decoder rounds by
 `ngram_rounds`), times the unit costs (`hispec.latency.timing`), fits the decoder's own per-layer factor and
 per-pass overhead (`fit_decoder_costs`) and, unless given a config, keeps the one of NGRAM_CANDIDATES that
-`auto_plan` is predicted fastest with, and the drafter's confidence gate likewise; its docstring gives the steps. Within a time budget (`max_seconds`,
-`hispec.latency.budget`) it answers fewer prompts, counts along fewer answers, times fewer repeats and runs fewer
-(or no) draft-step runs rather than run past it, and records what it left out (`Calibration.budget`). Every timer
-waits for the device's queued work (`hispec.timing`). It returns the calibration; storing it in a checkpoint is
-`write_calibration`'s (`hispec.latency.calibration`).
+`auto_plan` is predicted fastest with, and the drafter's confidence gate likewise; its docstring gives the steps.
+Within a time budget (`max_seconds`, `hispec.latency.budget`) it answers fewer prompts, counts along fewer
+answers, times fewer repeats and runs fewer (or no) draft-step runs rather than run past it, and records what it
+left out (`Calibration.budget`). Every timer waits for the device's queued work (`hispec.timing`). It returns the
+calibration; storing it in a checkpoint is `write_calibration`'s (`hispec.latency.calibration`).
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def _walk(prop, j: int, answer: list[int], upper_argmax: list[int]) -> tuple[int
     return a, 0
 
 
-def drafter_rounds(pred: list[list[int]], P: int, answer: list[int], upper_argmax: list[int],
-                   gamma: int, conf: list[list[float]] | None = None, gate: float = 0.0) -> tuple[int, int, int, int]:
+def drafter_rounds(pred: list[list[int]], P: int, answer: list[int], upper_argmax: list[int], gamma: int,
+                   conf: list[list[float]] | None = None, gate: float = 0.0) -> tuple[int, int, int, int]:
     """The rounds an EAGLE-3 drafter runs under the full model along a known greedy answer, as the decoder would:
     `gamma` drafts from the verified prefix, walked against the model's argmax until the first mismatch (one
     rejection), then the model's own token. `pred[s][e]` is the drafter's step-s draft (a target id) from entry e
