@@ -154,10 +154,11 @@ def test_the_bench_predicts_gated_strategies_with_their_gate():
     model = _with_drafter(steps=30)
     cal = latency.calibrate(model, _prompts()[:2], max_new_tokens=8, repeats=1, max_gamma=4, ngram=NgramConfig())
     model.hispec_config.calibration = cal.to_dict()
+    model.drafter.default_gamma = g = model.hispec_config.gamma + 1  # (a shipped drafter's own default gamma,
+    # which `generate` drafts the fixed strategies' chains with, not the checkpoint's exit gamma: priced so)
     strategies = ("ar", "eagle", "eagle-gate:0.3", "eagle-lookup-gate:0.5", "eagle-gate:0.35", "auto")
     out, fns = predict_speedups(model, BenchConfig(strategies=strategies, max_new_tokens=8))
     plain = cal.plain_seconds_per_token()
-    g = model.hispec_config.gamma  # (the bench prices fixed strategies at the checkpoint's gamma)
     for s, levels, c in (("eagle", [EAGLE, FULL], cal.with_gate(0)), ("eagle-gate:0.3", [EAGLE, FULL],
                          cal.with_gate(0.3)), ("eagle-lookup-gate:0.5", [LOOKUP + EAGLE, FULL], cal.with_gate(0.5))):
         assert out[s] == pytest.approx(plain / latency.time_per_token(levels, [g], c)), s

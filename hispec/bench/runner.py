@@ -583,6 +583,8 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     hc = model.hispec_config
     kw = dict(gamma=config.gamma or hc.gamma, window=config.window or hc.window,
               ngram=ngram_config(model, config.ngram))
+    # a drafter's chains at its own default gamma unless the run sets one, as `generate` drafts them
+    eagle_gamma = config.gamma or getattr(getattr(model, "drafter", None), "default_gamma", None)
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:
@@ -610,7 +612,8 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
                                  trees=_auto_trees(not config.greedy, rule or config.verification or hc.verification))
             out[s] = plain / min(t, plain)
             continue
-        levels = build_levels(model, parse_hierarchy(gate_of(name)[0] if gate_of(name) else name, model), **kw)
+        levels = build_levels(model, parse_hierarchy(gate_of(name)[0] if gate_of(name) else name, model), **kw,
+                              eagle_gamma=eagle_gamma)
         names, gammas = [lv.name for lv in levels], [lv.threshold for lv in levels[:-1]]
         if not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)
             fns[s] = (lambda names, gs, c: lambda obs: plain / latency.time_per_token(
