@@ -590,10 +590,10 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     for s in config.strategies:
         if s in HF_STRATEGIES:
             continue
-        c = cal.with_gate(0)  # (fixed strategies run full chains; `auto` its calibration's gate)
-        if gate_of(s) is not None:  # a gated chain: priced where the calibration measured that gate
+        c, gated = cal.with_gate(0), gate_of(s)  # (fixed strategies run full chains; `auto` its calibration's gate)
+        if gated is not None:  # a gated chain: priced where the calibration measured that gate
             try:
-                c = cal.with_gate(gate_of(s)[1])
+                c = cal.with_gate(gated[1])
             except latency.CalibrationError:
                 continue
         tree = tree_of(s)
@@ -612,8 +612,7 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
                                  trees=_auto_trees(not config.greedy, rule or config.verification or hc.verification))
             out[s] = plain / min(t, plain)
             continue
-        levels = build_levels(model, parse_hierarchy(gate_of(name)[0] if gate_of(name) else name, model), **kw,
-                              eagle_gamma=eagle_gamma)
+        levels = build_levels(model, parse_hierarchy(gated[0] if gated else name, model), **kw, eagle_gamma=eagle_gamma)
         names, gammas = [lv.name for lv in levels], [lv.threshold for lv in levels[:-1]]
         if not levels[0].lookup:  # (a lookup-first level's counters mix its two drafters: no observed rates)
             fns[s] = (lambda names, gs, c: lambda obs: plain / latency.time_per_token(

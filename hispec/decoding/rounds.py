@@ -59,7 +59,7 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
                  draft_gate: float = 0.0):
         self.model, self.adapter, self.levels = model, model.adapter, levels
         # an eagle3 chain stops at a draft the drafter gives less (eagle.py); `auto`: its policy's (calibrated) gate
-        self.draft_gate = float(getattr(policy, "draft_gate", draft_gate) if policy is not None else draft_gate)
+        self.draft_gate = float(getattr(policy, "draft_gate", draft_gate))
         self.tree = tree  # a hispec.tree.TreeSpec: level 0 drafts trees (hispec/tree.py), else chains
         self.K = len(levels) - 1
         self.bounds = [0] + [lv.exit_layer for lv in levels]
