@@ -295,6 +295,40 @@ class Eagle3Drafter(nn.Module):
             if final_norm_weight is not None:
                 self.norm.weight.copy_(final_norm_weight.to(self.norm.weight))
 
+    def widened(self, size: int, ranking, lm_head_weight: torch.Tensor,
+                final_norm_weight: torch.Tensor | None = None) -> "Eagle3Drafter":
+        """A copy of this drafter drafting over `size` tokens: its own draft vocabulary plus the first target ids of
+        `ranking` (most wanted first) it lacks. Every trained weight is kept, the lm_head rows with their tokens; a
+        new token's row is the target's lm_head row rescaled from the target's final norm to this drafter's
+        (`w_t * n_t / n_d` per feature), so the new logit starts as the target's head would score the drafter's
+        output state. Lets a drafter trained on a small draft vocabulary go on training over a larger one when
+        its measured coverage (`tools/drafter_eval.py`, in-vocab) caps its agreement."""
+        old = self.draft_token_ids()
+        n_old = self.config.draft_vocab_size
+        if old is None or not n_old < size < self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary widens from {n_old} to more tokens, fewer than the target's "
+                             f"{self.config.vocab_size} (asked: {size})")
+        have = set(old.tolist())
+        extra = [t for t in ranking if t not in have][: size - n_old]
+        if len(extra) < size - n_old:
+            raise ValueError(f"ranking offers {len(extra)} new tokens; widening to {size} needs {size - n_old}")
+        wide = Eagle3Drafter(Eagle3Config.from_dict({**self.config.to_dict(), "draft_vocab_size": size}))
+        state = {k: v for k, v in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+        wide.load_state_dict(state, strict=False)
+        wide.to(self.lm_head.weight)
+        ids = torch.cat([old.cpu(), torch.tensor(extra, dtype=torch.long)])
+        order = torch.argsort(ids)
+        wide.set_draft_vocab(ids)
+        target_rows = lm_head_weight[torch.tensor(extra, dtype=torch.long).to(lm_head_weight.device)].float().cpu()
+        if final_norm_weight is not None:
+            n_d = self.norm.weight.detach().float().cpu()
+            scale = final_norm_weight.detach().float().cpu() / torch.where(n_d.abs() < 1e-6, torch.ones_like(n_d), n_d)
+            target_rows = target_rows * scale
+        rows = torch.cat([self.lm_head.weight.detach().float().cpu(), target_rows])[order]
+        with torch.no_grad():
+            wide.lm_head.weight.copy_(rows.to(wide.lm_head.weight))
+        return wide.train(self.training)
+
     # -- the computation -------------------------------------------------------------------------------------------
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux `[B, T, len(aux_layers) * H]` (the aux layers' states concatenated in `aux_layers` order) -> `[B, T, H]`."""

@@ -96,6 +96,33 @@ def test_init_from_target_copies_the_draft_rows_of_the_lm_head():
     assert torch.equal(d.norm.weight, target.model.norm.weight)
 
 
+def test_a_widened_draft_vocabulary_keeps_the_trained_rows_and_scores_new_tokens_as_the_target():
+    target = tiny_model("llama")
+    d = _drafter(target, draft_vocab_size=40, seed=3)
+    d.init_from_target(target.lm_head.weight, target.model.norm.weight)
+    with torch.no_grad():  # as if trained: its own rows and norm
+        d.lm_head.weight.add_(0.1 * torch.randn_like(d.lm_head.weight))
+        d.norm.weight.mul_(torch.rand_like(d.norm.weight) + 0.5)
+    ranking = list(range(96, -1, -1))
+    w = d.widened(60, ranking, target.lm_head.weight, target.model.norm.weight)
+    old, new = d.draft_token_ids().tolist(), w.draft_token_ids().tolist()
+    added = [t for t in ranking if t not in old][:20]
+    assert new == sorted(old + added) and w.config.draft_vocab_size == 60
+    h = torch.randn(5, d.config.hidden_size)
+    with torch.no_grad():
+        before, after = d.lm_head(d.norm(h)), w.lm_head(w.norm(h))
+        by_target = target.lm_head(target.model.norm(h))
+    pos = {t: i for i, t in enumerate(new)}
+    assert torch.allclose(after[:, [pos[t] for t in old]], before, atol=1e-5)  # the trained rows, with their tokens
+    assert torch.allclose(after[:, [pos[t] for t in added]], by_target[:, added], atol=1e-5)
+    for name, p in d.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(p, w.state_dict()[name]), name
+    for size in (40, 97):
+        with pytest.raises(ValueError, match="widens from 40 to more tokens"):
+            d.widened(size, ranking, target.lm_head.weight)
+
+
 def test_bad_shapes_are_refused_with_what_to_choose():
     cfg = tiny_model("llama").config
     with pytest.raises(ValueError, match="out of range for a 6-layer target"):
@@ -270,11 +297,16 @@ def test_ttt_loss_on_the_trained_positions_equals_the_loss_over_the_whole_batch(
         chain = chain & ok
         assert got.sums[f"ce{s}"] == pytest.approx(float((ce * m).sum().detach()), rel=1e-5)
         assert got.sums[f"top1_{s}"] == float((ok & m).sum())
+        assert got.sums[f"in_vocab{s}"] == float(((index[tk[..., 0]] >= 0) & m).sum()) >= got.sums[f"top1_{s}"]
         assert got.sums[f"chain{s}"] == float((chain & batch["loss_mask"][..., 0] & m).sum())
         proposed = proposed & (lg.float().softmax(-1).max(-1).values >= gate)
         assert got.sums[f"gate3_drafted{s}"] == float((proposed & batch["loss_mask"][..., 0] & m).sum())
         assert got.sums[f"gate3_accepted{s}"] == float((proposed & chain & batch["loss_mask"][..., 0] & m).sum())
     assert got.loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    m0 = batch["loss_mask"][..., 0]
+    in_vocab = ((index[batch["topk_ids"][..., 0, 0]] >= 0) & m0).sum() / m0.sum()
+    assert summarize(got.sums, steps)["in_vocab"] == pytest.approx(float(in_vocab), abs=1e-4)
+    assert 0 < float(in_vocab) < 1  # a draft vocabulary of 60 of 97 tokens leaves some targets out
     gated = summarize(got.sums, steps)["gated"]
     assert [g["gate"] for g in gated] == list(GATES) and GATES[3] == gate
     assert gated[0]["drafted"] == pytest.approx(steps) and gated[0]["accepted"] == pytest.approx(

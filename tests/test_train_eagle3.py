@@ -76,7 +76,7 @@ def test_drafter_trains_from_the_cache_of_its_aux_layers_and_exports(env, pairs_
     res = json.loads(printed.strip().splitlines()[-1])
     assert set(res["by_category"]) == {"a", "b"} and res["steps"] == 3
     assert res["overall"]["tokens"] == sum(r["tokens"] for r in res["by_category"].values()) > 0
-    assert "acc/round" in printed
+    assert "acc/round" in printed and 0 < res["overall"]["in_vocab"] <= 1
 
 
 def test_drafter_resume_after_kill_equals_uninterrupted_run(env, pairs_file, tmp_path, monkeypatch):
@@ -136,6 +136,16 @@ def test_drafter_trains_on_from_an_earlier_drafter(env, pairs_file, tmp_path, ca
     alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert alone["overall"] == both["runs"][1]["overall"] and alone["by_category"] == both["runs"][1]["by_category"]
     assert both["runs"][0]["overall"] != both["runs"][1]["overall"]
+
+    # a larger eagle3_draft_vocab_size widens the earlier drafter's vocabulary, its tokens and rows kept
+    wide = tmp_path / "wide"
+    assert _run(_cache_argv(env, wide, cache, pairs_file, *common, "--max_steps", "2", "--eagle3_draft_vocab_size",
+                            "50", "--eagle3_init_from", str(first))) == 0
+    d3, _ = load_drafter(wide)
+    assert d3.config.draft_vocab_size == 50 and set(d1.draft_token_ids().tolist()) < set(d3.draft_token_ids().tolist())
+    with pytest.raises(ValueError, match="draft_vocab_size: 40 there, 30 here"):  # narrowing is refused
+        _run(_cache_argv(env, tmp_path / "narrow", cache, pairs_file, *common, "--max_steps", "2",
+                         "--eagle3_draft_vocab_size", "30", "--eagle3_init_from", str(first)))
 
     with pytest.raises(ValueError, match="intermediate_size: 24 there, 32 here"):
         _run(_cache_argv(env, tmp_path / "bad", cache, pairs_file, *EAGLE, "--eagle3_intermediate_size", "32",

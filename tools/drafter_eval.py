@@ -8,8 +8,10 @@ the drafter's aux layers and the target's top-k at every position, and the draft
 the whole sequences (`hispec.distill.drafter.ttt_loss`, exactly the training evaluation): per draft step s the top-1
 agreement with the target's argmax on answer tokens (step 0 = the first draft of a round, with the target's states
 up to the previous token: "d = 1"), the chained agreement (steps 0..s all right: s + 1 drafts accepted) and their
-sum, the expected accepted drafts per round of `--steps` greedy drafts; and what a confidence gate would do (drafting
-stops at the first draft whose probability under the drafter is below g: drafts proposed and accepted per round).
+sum, the expected accepted drafts per round of `--steps` greedy drafts; the share of the target's tokens inside the
+draft vocabulary (in-vocab, top1@0's ceiling: `eagle3_draft_vocab_size` larger than a drafter's widens it when
+training on from it); and what a confidence gate would do (drafting stops at the first draft whose probability
+under the drafter is below g: drafts proposed and accepted per round).
 Prints a per-category table and ends with one JSON line. Evaluation only: these prompts must never be training data.
 
 Several `--run`s (drafters of the same target) are scored on the very same target answers, generated once -- the
@@ -83,13 +85,15 @@ def totals(drafter, embed, items, steps: int) -> dict[str, float]:
 
 def _table(run, args, n_prompts, steps, rows, overall) -> None:
     head = f"{'category':<24}{'tokens':>8}" + "".join(f"{'top1@' + str(s):>9}" for s in range(steps)) \
-        + "".join(f"{'chain@' + str(s):>9}" for s in range(steps)) + f"{'acc/round':>11}"
+        + "".join(f"{'chain@' + str(s):>9}" for s in range(steps)) + f"{'acc/round':>11}{'in-vocab':>10}"
     print(f"EAGLE-3 drafter {run} on {args.prompts} ({n_prompts} prompts x {args.max_new_tokens} greedy "
-          f"tokens, target {args.dtype}); top1@s: step s agrees with the target's argmax; chain@s: steps 0..s all do")
+          f"tokens, target {args.dtype}); top1@s: step s agrees with the target's argmax; chain@s: steps 0..s all do; "
+          "in-vocab: the target's token is in the draft vocabulary (top1@0's ceiling)")
     print(head)
     for name, r in [*rows.items(), ("all", overall)]:
         print(f"{name:<24}{r['tokens']:>8}" + "".join(f"{x:>9.3f}" for x in r["top1"])
-              + "".join(f"{x:>9.3f}" for x in r["chain"]) + f"{r['accepted_per_round']:>11.3f}")
+              + "".join(f"{x:>9.3f}" for x in r["chain"]) + f"{r['accepted_per_round']:>11.3f}"
+              + f"{r['in_vocab']:>10.3f}")
     print("confidence gate (drafting stops at the first draft the drafter gives less than g; all prompts):")
     print(f"{'gate g':>8}{'drafted/round':>15}{'accepted/round':>16}{'accepted/draft':>16}")
     for row in overall["gated"]:

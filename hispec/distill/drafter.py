@@ -153,6 +153,7 @@ def ttt_loss(model, batch: dict, steps: int, decay: float = 1.0) -> DrafterLoss:
             sums[f"n{s}"] = float(m.sum())
             sums[f"ce{s}"] = float((ce_tok * m).sum())
             sums[f"top1_{s}"] = float((ok & m).sum())
+            sums[f"in_vocab{s}"] = float(((didx[..., 0] >= 0) & m).sum())  # the target's token is draftable at all
             sums[f"chain{s}"] = float((chain_ok & mask[:, 0] & m).sum())
             sums[f"chain_n{s}"] = float((mask[:, 0] & m).sum())
             conf = lsm.max(-1).values.exp()  # the drafter's probability of its own draft
@@ -179,7 +180,8 @@ def _fill_rates(out: DrafterLoss, sums: dict, steps: int) -> None:
 def summarize(sums: dict, steps: int) -> dict:
     """Summed `DrafterLoss.sums` (over batches, processes) -> the metrics a run records: per step `ce`, `top1`,
     `chain`, and `accepted_per_round` = sum of the chained agreements (expected drafts accepted per round of
-    `steps` greedy drafts, the first one included); `gated`: per gate of `GATES`, drafts `drafted` and `accepted`
+    `steps` greedy drafts, the first one included); `in_vocab`: the share of step-0 targets (the target's argmax)
+    inside the draft vocabulary, the ceiling of `top1[0]`; `gated`: per gate of `GATES`, drafts `drafted` and `accepted`
     per round when drafting stops at the first draft whose probability is below the gate (gate 0: the plain
     chain, `drafted` = `steps`, `accepted` = `accepted_per_round`)."""
     out = DrafterLoss(loss=torch.zeros(()))
@@ -193,7 +195,8 @@ def summarize(sums: dict, steps: int) -> dict:
         gated.append({"gate": gate, **per_round})
     return {"tokens": int(sums.get("n0", 0)), "ce": [round(x, 4) for x in out.ce],
             "top1": [round(x, 4) for x in out.top1], "chain": [round(x, 4) for x in out.chain],
-            "accepted_per_round": round(sum(out.chain), 4), "gated": gated}
+            "accepted_per_round": round(sum(out.chain), 4),
+            "in_vocab": round(sums.get("in_vocab0", 0.0) / max(sums.get("n0", 0.0), 1.0), 4), "gated": gated}
 
 
 @torch.no_grad()
@@ -216,14 +219,18 @@ def sequence_items(adapter, seqs, layers, k: int = 64) -> list[dict]:
     return items
 
 
-def draft_vocab_from_cache(dataset, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent teacher top-1 tokens over a `CachedSequences` (ties: lower id first), sorted; token
-    ids fill up in id order when fewer than `size` distinct tokens occur."""
+def teacher_top1_ranking(dataset, vocab_size: int) -> list[int]:
+    """Every target token id, most frequent teacher top-1 over a `CachedSequences` first (ties: lower id first)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(dataset)):
         counts += torch.bincount(dataset[i]["teacher_topk_ids"][:, 0], minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+    return sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+
+
+def draft_vocab_from_cache(dataset, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent teacher top-1 tokens over a `CachedSequences` (ties: lower id first), sorted; token
+    ids fill up in id order when fewer than `size` distinct tokens occur."""
+    return torch.tensor(sorted(teacher_top1_ranking(dataset, vocab_size)[:size]), dtype=torch.long)
 
 
 def validate_drafter_args(m, d, t) -> None:

@@ -14,7 +14,8 @@ only in what trains:
   tokens of the training cache; the lm_head starts from the target's rows, the norm from its final norm --
   or, with `eagle3_init_from DIR`, everything (weights and draft vocabulary) from an earlier drafter of the same
   shape, to train it on with new data (checked before training; recorded in the run, so resume refuses another
-  starting point). `save()`
+  starting point); a larger `eagle3_draft_vocab_size` than that drafter's widens its draft vocabulary by the most
+  frequent teacher top-1 tokens it lacks (`Eagle3Drafter.widened`). `save()`
   writes `hispec_drafter.safetensors` + `hispec_drafter.json` (`hispec.eagle3.save_drafter`) and `metrics.json`;
   `hispec-export RUN --format speculators` turns that into a vLLM / SGLang drafter.
 """
@@ -44,28 +45,36 @@ def _make_drafter(model, m, train_cache):
     size = m.eagle3_draft_vocab_size if 0 < m.eagle3_draft_vocab_size < V else V
     cfg = Eagle3Config.for_target(model.base.config, aux_layers=drafter_aux_layers(m, adapter.num_layers),
                                   draft_vocab_size=size, intermediate_size=m.eagle3_intermediate_size or None)
+    head = model.base.get_output_embeddings().weight.detach().float()
+    norm = getattr(adapter.final_norm, "weight", None)
+    norm = None if norm is None or norm.shape != (cfg.hidden_size,) else norm.detach().float()
     if m.eagle3_init_from:
-        return _init_drafter(m.eagle3_init_from, cfg, model)
+        drafter = _init_drafter(m.eagle3_init_from, cfg, model)
+        if drafter.config.draft_vocab_size < size:  # widened: the trained rows kept, new ones from the target's
+            from hispec.distill.drafter import teacher_top1_ranking
+
+            drafter = drafter.widened(size, teacher_top1_ranking(train_cache, V), head, norm)
+        return drafter
     drafter = Eagle3Drafter(cfg)
     if size < V:
         drafter.set_draft_vocab(draft_vocab_from_cache(train_cache, size, V))
-    head = model.base.get_output_embeddings()
-    norm = getattr(adapter.final_norm, "weight", None)
-    drafter.init_from_target(head.weight.detach().float(),
-                             None if norm is None or norm.shape != drafter.norm.weight.shape else norm.detach().float())
+    drafter.init_from_target(head, norm)
     return drafter.float()
 
 
 def _init_drafter(folder, cfg, model):
     """The drafter saved in `folder` (weights and draft vocabulary, which is kept: the rows its lm_head learned
-    belong to those tokens), after checking it has exactly the shape `cfg` this run asks for and was trained for a
-    target of this model's type (`ConfigError` naming every difference)."""
+    belong to those tokens), after checking it has exactly the shape `cfg` this run asks for -- except a draft
+    vocabulary smaller than the run's, which `_make_drafter` then widens -- and was trained for a target of this
+    model's type (`ConfigError` naming every difference)."""
     from hispec.eagle3 import load_drafter
 
     drafter, meta = load_drafter(Path(folder).expanduser())
     have, want = drafter.config.to_dict(), cfg.to_dict()
+    widens = (drafter.d2t is not None
+              and have.get("draft_vocab_size", 0) < want.get("draft_vocab_size", 0) < want.get("vocab_size", 0))
     diff = [f"{k}: {have.get(k)!r} there, {want.get(k)!r} here" for k in sorted(set(have) | set(want))
-            if have.get(k) != want.get(k)]
+            if have.get(k) != want.get(k) and not (k == "draft_vocab_size" and widens)]
     base = meta.get("base") or {}
     if base.get("model_type") not in (None, model.base.config.model_type):
         diff.append(f"target model_type: {base.get('model_type')!r} there, {model.base.config.model_type!r} here")
