@@ -137,6 +137,23 @@ def test_drafter_trains_on_from_an_earlier_drafter(env, pairs_file, tmp_path, ca
     assert alone["overall"] == both["runs"][1]["overall"] and alone["by_category"] == both["runs"][1]["by_category"]
     assert both["runs"][0]["overall"] != both["runs"][1]["overall"]
 
+    # tools/draft_vocab_coverage.py ranks tokens as training does: its 40 are the first drafter's vocabulary
+    from hispec.distill.features import CachedSequences
+
+    train = CachedSequences(cache / "train", layers=[])
+    V = d1.config.vocab_size
+    by_items = sum(torch.bincount(train[i]["teacher_topk_ids"][:, 0], minlength=V) for i in range(len(train)))
+    assert torch.equal(train.teacher_top1_counts(V), by_items)  # (read from the top-k column alone)
+    assert load_tool("draft_vocab_coverage").main(["--model", str(env / "model"), "--feature-cache", str(cache),
+                                                   "--sizes", "60", "20", "40", "--drafter", str(first),
+                                                   "--prompts", str(prompts), "--max-new-tokens", "10"]) == 0
+    cov = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["coverage"]
+    assert cov["all"]["tokens"] == sum(r["tokens"] for c, r in cov.items() if c != "all") > 0
+    for r in cov.values():
+        assert r["20"] <= r["40"] <= r["60"] and r[str(first)] == r["40"]
+    assert load_tool("draft_vocab_coverage").main(["--model", str(env / "model"), "--feature-cache", str(cache),
+                                                   "--sizes", str(V)]) == 2
+
     # a larger eagle3_draft_vocab_size widens the earlier drafter's vocabulary, its tokens and rows kept
     wide = tmp_path / "wide"
     assert _run(_cache_argv(env, wide, cache, pairs_file, *common, "--max_steps", "2", "--eagle3_draft_vocab_size",

@@ -220,11 +220,16 @@ def sequence_items(adapter, seqs, layers, k: int = 64) -> list[dict]:
 
 
 def teacher_top1_ranking(dataset, vocab_size: int) -> list[int]:
-    """Every target token id, most frequent teacher top-1 over a `CachedSequences` first (ties: lower id first)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(dataset)):
-        counts += torch.bincount(dataset[i]["teacher_topk_ids"][:, 0], minlength=vocab_size)
-    return sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    """Every target token id, most frequent teacher top-1 over a `CachedSequences` (or a list of its items) first
+    (ties: lower id first)."""
+    if hasattr(dataset, "teacher_top1_counts"):
+        counts = dataset.teacher_top1_counts(vocab_size)
+    else:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for i in range(len(dataset)):
+            counts += torch.bincount(dataset[i]["teacher_topk_ids"][:, 0], minlength=vocab_size)
+    order = torch.argsort(-counts, stable=True)  # most frequent first, ties by id
+    return order.tolist()
 
 
 def draft_vocab_from_cache(dataset, size: int, vocab_size: int) -> torch.Tensor:

@@ -461,6 +461,15 @@ class CachedSequences(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
+    def teacher_top1_counts(self, vocab_size: int) -> torch.Tensor:
+        """`[vocab_size]` how often each token is the teacher's top-1 over every cached position; reads only the
+        first column of the top-k ids, shard by shard (the hidden states stay on disk)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for si in range(len(self.manifest["shards"])):
+            ids = self._handle(si).get_slice("teacher_topk_ids")[:, :1]
+            counts += torch.bincount(ids.flatten().long(), minlength=vocab_size)
+        return counts
+
     def __getstate__(self):
         return {**self.__dict__, "_handles": {}}
 
