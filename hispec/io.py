@@ -1,9 +1,11 @@
 """Small shared helpers: the dtype table, atomic file and folder writes, model-source resolution (local folder,
-Hub id, .gguf), and the bf16 speed probe."""
+Hub id, .gguf), the bf16 speed probe, and handing freed heap memory back to the OS (`HeapTrimmer`)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
@@ -153,3 +155,49 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class HeapTrimmer:
+    """Calling it hands the C heap's free pages back to the OS (glibc's `malloc_trim(0)`), at most once every
+    `interval_s` seconds; a no-op where the C library has no `malloc_trim` (macOS, musl, Windows).
+
+    Why: a training loop whose batches change shape every step (sequences of every length up to
+    `max_seq_length`) leaves glibc's heap fragmented: freed blocks of one step's sizes do not fit the next step's,
+    so the heap keeps growing although the live tensors do not (measured, SmolLM2 EAGLE-3 drafter, 8 x <= 384
+    tokens, bf16 autocast, one thread: the same 343 live tensors, 653 MB, at every step, while resident memory
+    grew ~25 MB per step, 0.8 -> 4.0 GB over 120 steps; the Qwen2.5-Coder-1.5B drafter reached 15.5 GB at step
+    450 and two such trainings were OOM-killed on 24 GiB). Neither `MALLOC_ARENA_MAX=1`, a fixed
+    `MALLOC_MMAP_THRESHOLD_`, nor torch's oneDNN / ideep cache sizes changed that; jemalloc or `malloc_trim` did.
+    With a trim every 20 s (~5 steps) the same run stayed between 1.8 and 3.2 GB for 120 steps (the step's own
+    working set plus what it faulted back in since the last trim) and trained the same weights bit for bit.
+    Each trim returns pages the next steps fault back in (after every step: +17% training time; every 20 s:
+    +5.6%, a census of the live tensors every 10 steps included), so it runs at most once a minute: the growth
+    between two trims stays bounded whatever a step costs. torch has no CPU-heap release of its own, so this
+    calls glibc."""
+
+    def __init__(self, interval_s: float = 60.0, clock=time.monotonic):
+        self.interval_s, self.clock = interval_s, clock
+        self.last = clock()
+        self.trims = 0
+        self._trim = _malloc_trim()
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None
+
+    def __call__(self, force: bool = False) -> bool:
+        """Trim if `interval_s` has passed since the last trim (or `force`); True when it trimmed."""
+        if self._trim is None or not (force or self.clock() - self.last >= self.interval_s):
+            return False
+        self._trim(0)
+        self.last, self.trims = self.clock(), self.trims + 1
+        return True
+
+
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None

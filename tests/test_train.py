@@ -693,3 +693,20 @@ def test_fp32_training_on_a_cpu_with_fast_bf16_names_the_bf16_config(monkeypatch
         warn_if_slow_low_precision(*args)
     assert "cpu-bf16" not in caplog.text
     assert (Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "cpu-bf16.yaml").is_file()
+
+
+def test_the_training_loop_hands_free_heap_back(env, tmp_path, monkeypatch):
+    """Trainer.loop calls a HeapTrimmer after every optimizer step (it trims at most once per interval)."""
+    from hispec.distill import trainer
+
+    seen = []
+
+    class Counting(trainer.HeapTrimmer):
+        def __call__(self, force=False):
+            seen.append(self.interval_s)
+            return super().__call__(force)
+
+    monkeypatch.setattr(trainer, "HeapTrimmer", Counting)
+    assert _run(_argv(env, tmp_path / "run", "--max_steps", "3", "--head_type", "linear", "--draft_layer", "2",
+                      "--verify_layer", "4")) == 0
+    assert seen == [60.0] * 3

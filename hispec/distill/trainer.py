@@ -54,7 +54,7 @@ from hispec.distill.training import (
 )
 from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
 from hispec.heads import HEAD_TYPES
-from hispec.io import atomic_write, parse_dtype, write_json
+from hispec.io import HeapTrimmer, atomic_write, parse_dtype, write_json
 from hispec.layers import DecoderAdapter
 from hispec.model import (
     EXITS, HEADS_FILE, METRICS_FILE, TRAIN_FILE, EarlyExitModel, default_exits, load_base_model, load_tokenizer,
@@ -603,6 +603,7 @@ class Trainer:
                    disable=not acc.is_local_main_process)
         self.heads.train()
         window, window_n, micro = {}, 0, 0  # micro: micro-batch within the step (seeds context distance draws)
+        trim = HeapTrimmer()  # batches of every length fragment the C heap: hand its free pages back now and then
         self.t_train = time.time()
         for epoch in range(self.completed // self.steps_per_epoch, math.ceil(self.total_steps / self.steps_per_epoch)):
             if self.completed >= self.total_steps:
@@ -637,6 +638,7 @@ class Trainer:
                 if t.checkpointing_steps and self.completed % t.checkpointing_steps == 0 \
                         and self.completed < self.total_steps:
                     self.save_checkpoint(self.completed)
+                trim()
                 _step_hook(self.completed)
                 if self.completed >= self.total_steps:
                     break
