@@ -116,12 +116,27 @@ def test_the_latency_model_prices_a_drafter_round():
     V = 10 * 1e-3 + 2e-3  # the full model over g + 1 positions (flat costs)
     want = (g * D + context + V + 1e-4) / E
     assert latency.time_per_token([EAGLE, FULL], [g], cal) == pytest.approx(want)
-    # lookup-first: the n-gram's rounds verified in one pass, the drafter's otherwise, context for all tokens
+    # lookup-first: the lookup is tried before each draft step; where it matches after j drafts (probability
+    # (1 - m)^j m) its proposal follows them and all are verified in one pass (flat costs: V), yielding the drafts'
+    # accepted prefix and, where all j held, the lookup's; where it never matches, the drafter's chain. Context:
+    # every verified token once (the drafter's own first entry aside, where it ran)
     m, n, a_n = 0.1, cal.ngram_max_len, 0.5
     E_n = latency.expected_tokens(a_n, n)
-    num = ((m + (1 - m) * g) * 1e-5 + m * (1e-4 + V) + (1 - m) * (g * D + V + 1e-4)
-           + c * 0.1 * (m * E_n + (1 - m) * (E - 1)))
-    assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], cal) == pytest.approx(num / (m * E_n + (1 - m) * E))
+
+    def lookup_first(od=0.0, ov=0.0):  # -> (cost, tokens) per round
+        num = den = 0.0
+        for j in range(g):
+            p = (1 - m) ** j * m
+            tokens = latency.expected_tokens(a, j) + a ** j * (E_n - 1)
+            num += p * ((j + 1) * 1e-5 + j * (D + od) + V + 1e-4 + ov + c * 0.1 * (tokens if j == 0 else tokens - 1))
+            den += p * tokens
+        p = (1 - m) ** g
+        return num + p * (g * 1e-5 + g * (D + od) + V + 1e-4 + ov + c * 0.1 * (E - 1)), den + p * E
+
+    num, den = lookup_first()
+    assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], cal) == pytest.approx(num / den)
+    # the old pricing (a lookup before the first draft only) under-counts what the later lookups bring
+    assert den > m * E_n + (1 - m) * E
     with pytest.raises(ValueError, match="drafts directly for the full model"):
         latency.time_per_token([EAGLE, "L5", FULL], [1, 1], cal)
     # the decoder's own extra per drafter pass (o_d) and per verification under the drafter (o_v)
@@ -129,9 +144,8 @@ def test_the_latency_model_prices_a_drafter_round():
     over = dataclasses.replace(cal, costs={**cal.costs, "drafter_overhead": od, "drafter_verify_overhead": ov})
     want = (g * (D + od) + context + V + 1e-4 + ov) / E
     assert latency.time_per_token([EAGLE, FULL], [g], over) == pytest.approx(want)
-    num = ((m + (1 - m) * g) * 1e-5 + m * (1e-4 + ov + V) + (1 - m) * (g * (D + od) + V + 1e-4 + ov)
-           + c * 0.1 * (m * E_n + (1 - m) * (E - 1)))
-    assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], over) == pytest.approx(num / (m * E_n + (1 - m) * E))
+    num, den = lookup_first(od, ov)
+    assert latency.time_per_token([LOOKUP + EAGLE, FULL], [g], over) == pytest.approx(num / den)
     assert latency.time_per_token([NGRAM, FULL], [g], over) == latency.time_per_token([NGRAM, FULL], [g], cal)
     assert over.at_batch(4).drafter_overhead == pytest.approx(od / 4)
     back = Calibration.from_dict(over.to_dict())
@@ -356,8 +370,8 @@ def test_drafter_rows_drafting_by_the_lookup_alone_stay_greedy_identical(monkeyp
     from test_eagle_tree import _tree_priors
 
     model = _with_drafter("llama", steps=60)
-    if tree:
-        _tree_priors(model, ngram=0.9, match=0.6)
+    if tree:  # (a tree wins over the lookup-first chain where the lookup matches less often)
+        _tree_priors(model, topk=(0.5, 0.95, 0.99), ngram=0.9, match=0.3)
     else:
         _drafter_priors(model, ngram=0.9, match=0.6)
     _greedy_with_the_lookup_alone(monkeypatch, model, "auto:ngram|eagle3>full" + ("[tree" if tree else ""), tree)

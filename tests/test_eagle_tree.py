@@ -149,7 +149,7 @@ def test_the_latency_model_prices_a_drafter_tree_and_a_chain_shaped_one_as_the_c
     from test_eagle_auto import _cal
 
     from hispec import latency
-    from hispec.latency import EAGLE, FULL, LOOKUP
+    from hispec.latency import EAGLE, FULL, LOOKUP, Calibration
 
     c, a = 1e-3, 0.6
     cal = dataclasses.replace(_cal(c, a), topk={"eagle3>full": [a, 0.75, 0.8]})
@@ -180,6 +180,12 @@ def test_the_latency_model_prices_a_drafter_tree_and_a_chain_shaped_one_as_the_c
     assert latency.tree_round_seconds([2, 1], over, EAGLE) == pytest.approx(R + 2 * od + ov + ot)
     assert latency.tree_time_per_token([1, 1], over, EAGLE) == pytest.approx(
         latency.time_per_token([EAGLE, FULL], [2], over) + ot / (1 + a + a * a))
+    # the drafter trees' own fit, where calibrate timed them, replaces the exit trees' (older calibrations: theirs)
+    own = dataclasses.replace(over, costs={**over.costs, "drafter_tree_overhead": 5 * ot})
+    assert latency.tree_round_seconds([2, 1], own, EAGLE) == pytest.approx(R + 2 * od + ov + 5 * ot)
+    assert own.at_batch(2).drafter_tree_overhead == pytest.approx(2.5 * ot)
+    assert Calibration.from_dict(own.to_dict()).drafter_tree_overhead == pytest.approx(5 * ot)
+    assert latency.tree_round_seconds([2, 2], own, "L2") == latency.tree_round_seconds([2, 2], over, "L2")
     with pytest.raises(latency.CalibrationError, match="no top-k agreement"):
         latency.tree_time_per_token([2], _cal(c, a), EAGLE)
 
@@ -198,6 +204,7 @@ def test_calibrate_measures_the_drafters_top_k_agreement():
     assert len(rates) == 8 and all(0 <= x <= y <= 1 for x, y in zip(rates, rates[1:]))
     assert 0 < rates[0] < rates[-1]
     assert latency.tree_time_per_token([4, 2], cal, "eagle3") > 0
+    assert cal.costs["drafter_tree_overhead"] >= 0  # timed on real rounds of the drafter's probe tree
 
 
 def _tree_priors(model, eagle=0.5, topk=(0.5, 0.85, 0.95), ngram=0.0, match=0.0, prompts=None):
@@ -234,8 +241,9 @@ def test_auto_with_a_drafter_tree_is_greedy_identical(family):
     model = _with_drafter(family, steps=60)
     ids, am = _ragged(4, 9)
     ref = _hf_greedy(model.base, ids, am, 17)
-    for ngram, match in ((0.0, 0.0), (0.9, 0.6)):
-        _tree_priors(model, ngram=ngram, match=match)
+    # (a lookup that matches often makes the lookup-first chain faster: its lookup is retried after every draft)
+    for ngram, match, topk in ((0.0, 0.0, (0.5, 0.85, 0.95)), (0.9, 0.3, (0.5, 0.95, 0.99))):
+        _tree_priors(model, ngram=ngram, match=match, topk=topk)
         out = model.generate(ids, am, max_new_tokens=17, strategy="auto")
         assert torch.equal(out.sequences, ref)
         assert "[tree" in out.stats.strategy and out.stats.levels[0].proposed > 0

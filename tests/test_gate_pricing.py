@@ -26,11 +26,13 @@ def _gated_cal(a_full=0.5, a_gated=0.75, q=0.6, steep=True) -> Calibration:
 
 def _simulate(cal: Calibration, gamma: int, alpha: float, q: float, match: float = 0.0, rounds: int = 200_000,
               seed: int = 0) -> float:
-    """Seconds per token of the drafter's chains (lookup-first when `match` > 0) by simulating rounds: with
-    probability `match` the lookup proposes n tokens (accepted like the n-gram's, verified in one pass); else each
-    draft step (after a lookup that missed, lookup-first) passes the gate with probability q, or the chain ends
-    there, its pass spent; proposals are accepted with probability alpha until the first rejection. The drafter
-    takes in the verified tokens as its context (all of a lookup round's, all but the newest of its own)."""
+    """Seconds per token of the drafter's chains (lookup-first when `match` > 0) by simulating rounds as the decoder
+    runs them: before each draft step (lookup-first) the lookup is tried and with probability `match` proposes n
+    tokens after the drafts so far, which ends the round (the n-gram's accepted like the n-gram's, all verified in
+    one pass); else the draft step passes the gate with probability q, or the chain ends there, its pass spent;
+    proposals are accepted with probability alpha until the first rejection, the lookup's only where every draft
+    before them was. The drafter takes in the verified tokens as its context (all of a round's where it did not
+    run, all but the newest where it did)."""
     rng = random.Random(seed)
     o = cal.step_overhead + cal.drafter_verify_overhead
     D = latency.model._draft_cost(cal, EAGLE)
@@ -38,15 +40,14 @@ def _simulate(cal: Calibration, gamma: int, alpha: float, q: float, match: float
     a_n, n, c = cal.acceptance["ngram>full"], cal.ngram_max_len, cal.ngram_cost if match else 0.0
     cost = tokens = entries = 0.0
     for _ in range(rounds):
-        if match and rng.random() < match:
-            acc = 0
-            while acc < n and rng.random() < a_n:
-                acc += 1
-            cost += c + o + latency.model._pass_cost(cal, None, FULL, n + 1)
-            tokens, entries = tokens + acc + 1, entries + acc + 1
-            continue
-        passes = proposed = 0
+        passes = proposed = lookups = 0
+        served = False
         for _ in range(gamma):
+            if match:
+                lookups += 1
+                if rng.random() < match:
+                    served = True
+                    break
             passes += 1
             if rng.random() >= q:
                 break
@@ -54,8 +55,12 @@ def _simulate(cal: Calibration, gamma: int, alpha: float, q: float, match: float
         acc = 0
         while acc < proposed and rng.random() < alpha:
             acc += 1
-        cost += passes * (D + c) + latency.model._pass_cost(cal, level, FULL, proposed + 1) + o
-        tokens, entries = tokens + acc + 1, entries + acc
+        if served and acc == proposed:
+            while acc < proposed + n and rng.random() < a_n:
+                acc += 1
+        width = proposed + (n if served else 0) + 1
+        cost += passes * D + lookups * c + latency.model._pass_cost(cal, level, FULL, width) + o
+        tokens, entries = tokens + acc + 1, entries + acc + (1 if passes == 0 else 0)
     return (cost / rounds + latency.model._drafter_context(cal, entries / rounds)) / (tokens / rounds)
 
 

@@ -121,12 +121,20 @@ def test_lookup_first_level_matches_a_hand_computation():
     cal = dataclasses.replace(synthetic(acceptance={"L2>full": 0.6, "ngram>full": 0.7}, match=0.4, ngram=0.05),
                               ngram={"max_ngram": 3, "min_ngram": 1, "max_len": 4})
     draft = 2 * 1.0 + 0.3 + 0.1  # the exit's draft step
-    drafted = 2 * draft + (2 * 1.0 + 8 * 1.4 + 2.2) + 0.1  # 2 drafts, then the full model over 3 rows
-    served = 0.1 + 10 * 1.8 + 2.4  # the lookup's 4 tokens: every layer over 5 rows
     E_n, E_g = (1 - 0.7 ** 5) / 0.3, (1 - 0.6 ** 3) / 0.4
-    lookups = (0.4 + 0.6 * 2) * 0.05  # one per draft step
-    want = (lookups + 0.4 * served + 0.6 * drafted) / (0.4 * E_n + 0.6 * E_g)
+    # three kinds of round: the lookup matches at once (0.4): its 4 tokens, every layer over 5 rows
+    served = 0.05 + 0.1 + 10 * 1.8 + 2.4
+    # it misses, the exit drafts one, the lookup matches after it (0.6 x 0.4): 1 + 4 tokens verified in one pass,
+    # the exit's layers over the 4 looked-up tokens and the draft's newest input (5 rows), the rest over 6
+    after_one = 2 * 0.05 + draft + (2 * 1.8 + 8 * 2.0 + 2.5) + 0.1
+    E_after_one = 1 + 0.6 + 0.6 * (E_n - 1)  # the draft's accepted prefix, then (if it held) the lookup's
+    # it never matches (0.6 x 0.6): two drafts, then the full model over 3 rows, two lookups tried
+    drafted = 2 * 0.05 + 2 * draft + (2 * 1.0 + 8 * 1.4 + 2.2) + 0.1
+    want = ((0.4 * served + 0.24 * after_one + 0.36 * drafted)
+            / (0.4 * E_n + 0.24 * E_after_one + 0.36 * E_g))
     assert lt.time_per_token(["ngram|L2", "full"], [2], cal) == pytest.approx(want)
+    assert [r[:3] for r in lt.lookup_first_rounds(2, 1.0, 0.4)] == [
+        (0.4, 0, 0), (pytest.approx(0.24), 1, 1), (pytest.approx(0.36), 2, 2)]
     # limits: never matching, it is self-speculation plus the wasted lookups; always matching, the n-gram level
     assert lt.time_per_token(["ngram|L2", "full"], [2], cal, ngram_match=0.0) == pytest.approx(
         lt.time_per_token(["L2", "full"], [2], cal) + 2 * 0.05 / E_g)
@@ -509,10 +517,13 @@ def test_tree_round_matches_a_hand_computation():
     assert over.at_batch(2).tree_overhead == pytest.approx(0.35)
     assert lt.Calibration.from_dict(over.to_dict()).tree_overhead == 0.7
     from hispec.latency.measure import fit_tree_overhead
-    # runs: (level-0 s/pass, entries/pass, verify s/pass, positions/verification, level-0 passes/verification)
-    runs = [(1.0, 1.0, 10.0, 5.0, 2.0), (1.5, 1.0, 11.0, 5.0, 2.0), (0.5, 1.0, 9.0, 5.0, 2.0)]
+    # runs: (level-0 s/pass, entries/pass, verify s/pass, positions/verification, level-0 passes/verification,
+    # new tokens/verification)
+    runs = [(1.0, 1.0, 10.0, 5.0, 2.0, 2.0), (1.5, 1.0, 11.0, 5.0, 2.0, 3.0), (0.5, 1.0, 9.0, 5.0, 2.0, 1.0)]
     assert fit_tree_overhead(runs, rounds=11.0) == pytest.approx(1.0)  # median of 1, 3, 0 (clipped)
     assert fit_tree_overhead([], rounds=1.0) == 0.0
+    # a drafter's tree: its first pass also took in the tokens verified the round before (here 0.25 each)
+    assert fit_tree_overhead(runs, rounds=11.0, context=lambda tokens: 0.25 * (tokens - 1)) == pytest.approx(0.75)
     # every pass over T positions pays position_overhead T - 1 times (a tree's verification: N times)
     pos = dataclasses.replace(cal, costs={**cal.costs, "position_overhead": 0.25})
     assert lt.tree_round_seconds([2, 2], pos, "L2") == pytest.approx(R + 0.25 * 6)

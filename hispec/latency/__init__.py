@@ -37,7 +37,7 @@ from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, drafter_i
 from .measure import NGRAM_CANDIDATES, calibrate, drafter_rounds, fit_decoder_costs, ngram_rounds
 from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
                     batch_pass_seconds, best_gammas, best_hierarchy, expected_tokens, interp, is_drafter, level_name,
-                    level_pairs, lookup_alone_seconds, lookup_exit, pair_key, time_per_token)
+                    level_pairs, lookup_alone_seconds, lookup_exit, lookup_first_rounds, pair_key, time_per_token)
 from .plans import AutoPlan, auto_plan, format_predictions, named_hierarchies, predictions
 from .timing import KVBench, measure_costs, measure_layer_costs, median_times, nondecreasing
 from .trees import (MAX_TREE_WIDTH, TREE_ROWS, best_tree, scaled_topk, tree_expected_tokens, tree_round_seconds,
@@ -65,6 +65,7 @@ __all__ = [
     "level_pairs",
     "lookup_alone_seconds",
     "lookup_exit",
+    "lookup_first_rounds",
     "machine_fingerprint",
     "measure_costs",
     "measure_layer_costs",

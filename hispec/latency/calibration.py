@@ -243,7 +243,14 @@ class Calibration:
     position_overhead = property(lambda self: self._fitted("position_overhead"),
                                  doc="per position a pass covers past the first")
     tree_overhead = property(lambda self: self._fitted("tree_overhead"), doc="per static tree round")
-    FITTED = ("drafter_overhead", "drafter_verify_overhead", "tree_overhead", "position_overhead")
+    FITTED = ("drafter_overhead", "drafter_verify_overhead", "tree_overhead", "drafter_tree_overhead",
+              "position_overhead")
+
+    @property
+    def drafter_tree_overhead(self) -> float:
+        """Per round of a drafter's static tree (its tree masks over the draft entries, the nodes' gathers); the exit
+        trees' `tree_overhead` in calibrations that did not time drafter trees (before session 33)."""
+        return float(self.costs.get("drafter_tree_overhead", self.tree_overhead))
 
     def _fitted(self, name: str) -> float:
         return float(self.costs.get(name, 0.0))

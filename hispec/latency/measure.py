@@ -25,8 +25,8 @@ from ..ngram import NgramConfig, propose
 from ..prompts import Prompt, render
 from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
-from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, _pass_cost, acceptance_from_counts, gate_key,
-                    level_name, pair_key)
+from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, _drafter_context, _pass_cost, acceptance_from_counts,
+                    gate_key, level_name, pair_key)
 from .plans import auto_plan
 from .timing import measure_costs
 from .trees import MAX_TREE_WIDTH, TREE_ROWS, tree_round_seconds
@@ -177,7 +177,8 @@ def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget:
                   strategy: str, progress: bool = False, **kw) -> list[tuple[float, float, float, float, float]]:
     """Short real decoder runs of `strategy` (up to 32 tokens per prompt) after one untimed warm-up run -> per run
     (level 0's seconds per pass, its entries per pass (layer evaluations: a drafter's entries), the full model's
-    seconds per verification, positions per verification, level 0's passes per verification); `kw`: more
+    seconds per verification, positions per verification, level 0's passes per verification, new tokens per
+    verification); `kw`: more
     `generate` options (a `tree`). A run starts only while it fits the budget (first
     guess, before any was timed: every token costs gamma draft steps and a verification, each as dear as a plain
     step `step`)."""
@@ -200,7 +201,8 @@ def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget:
         low, top = out.stats.levels[0], out.stats.levels[-1]
         if low.passes and top.passes and i:
             runs.append((low.seconds / low.passes, low.layer_evals / low.passes, top.seconds / top.passes,
-                         (top.proposed + top.row_passes) / top.passes, low.passes / top.passes))
+                         (top.proposed + top.row_passes) / top.passes, low.passes / top.passes,
+                         len(out.new_tokens[0]) / top.passes))
         bar.update()
     bar.close()
     return runs
@@ -217,13 +219,15 @@ def fit_position_overhead(runs, *, verify, o: float) -> float:
 TREE_PROBE = [4, 2]  # the static tree whose real rounds `calibrate` times (12 nodes: the size `auto` plans here)
 
 
-def fit_tree_overhead(runs, *, rounds: float) -> float:
-    """`tree_overhead`: what a real static tree round (`_decoder_runs` of `self-spec` with `TREE_PROBE`: level 0's
-    passes, then one verification) costs beyond R(tree) = `rounds` (its masks, the nodes' gathers and compaction);
-    median over runs, >= 0."""
+def fit_tree_overhead(runs, *, rounds: float, context=None) -> float:
+    """`tree_overhead` (`drafter_tree_overhead`): what a real static tree round (`_decoder_runs` of `self-spec`, or
+    `eagle`, with `TREE_PROBE`: level 0's passes, then one verification) costs beyond R(tree) = `rounds` (its masks,
+    the nodes' gathers and compaction); `context(tokens)`: what else the round's first pass took in, by the run's new
+    tokens per verification (a drafter's context, c(tokens - 1)); median over runs, >= 0."""
     if not runs:
         return 0.0
-    return statistics.median(max(0.0, per * d + v - rounds) for d, _, v, _, per in runs)
+    return statistics.median(max(0.0, per * d + v - rounds - (context(tok) if context else 0.0))
+                             for d, _, v, _, per, tok in runs)
 
 
 def fit_drafter_costs(runs, *, drafter, verify, o: float) -> tuple[float, float]:
@@ -243,7 +247,8 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
     """Step 4's fits on real rounds, into `units().costs`, each priced by the latency model's own terms under the
     unit costs fitted so far (`units()`: a fresh Calibration of them, so its memo never holds an earlier fit):
     `position_overhead` from `ngram` runs (first: the others' verifications pay it), the drafter's from `eagle`
-    runs (with one attached), `tree_overhead` from `self-spec` runs of `TREE_PROBE`."""
+    runs (with one attached), `tree_overhead` from `self-spec` runs of `TREE_PROBE` (and `drafter_tree_overhead`
+    from `eagle` runs of it)."""
     costs = units().costs
     runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "ngram", progress)
     cal = units()
@@ -260,6 +265,13 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
                              tree=list(TREE_PROBE))
         costs["tree_overhead"] = fit_tree_overhead(runs, rounds=tree_round_seconds(
             TREE_PROBE, units(), level_name(model.draft_layer)))
+        if costs.get("drafter"):  # the drafter's trees: their own masks over its entries, its nodes' KV
+            runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "eagle", progress,
+                                 tree=list(TREE_PROBE))
+            cal = units()
+            bare = tree_round_seconds(TREE_PROBE, cal, EAGLE) - cal.drafter_tree_overhead
+            costs["drafter_tree_overhead"] = fit_tree_overhead(
+                runs, rounds=bare, context=lambda tokens: _drafter_context(cal, tokens - 1))
 
 
 def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progress: bool):

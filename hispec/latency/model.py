@@ -34,16 +34,22 @@ match: level k produces 1 token itself from a one-position pass V_0k(1). Per tok
                                        T_k      = (c + o + m V_0k(g+1) + (1-m) V_0k(1)) / (1 + m (E(a, g) - 1))
 
 The lookup-first level "ngram|Lk" as the bottom level i (`ngram|EXIT` in the decoder; T_i = D_k, its exit's draft
-step): every round first tries the lookup (cost c per draft step). With probability m it proposes (up to n =
-the calibration's `ngram.max_len` tokens), which level k verifies in one pass V_0k(n+1), yielding E(a_ng, n)
-tokens; otherwise the exit drafts g tokens (tried by the lookup before each) and level k verifies them, V_ik(g+1),
-yielding E(a_ik, g), with a_ik the exit's own rate (pair "Lk>U") and a_ng the n-gram's ("ngram>U"):
+step): the lookup is tried before each of the exit's draft steps (cost c each) and matches with probability m,
+i.i.d. Where it matches after j drafts (j = 0..g-1, probability (1-m)^j m), its proposal (up to n = the
+calibration's `ngram.max_len` tokens) follows them and the round ends: level k verifies the j + n tokens in one
+pass, W_j = e_i layer(n+1) + (e_k - e_i) layer(j+n+1) + head_k(j+n+1) (the exit's layers over the looked-up tokens
+and its newest draft's input, the rest over everything), yielding E(a_ik, j) + a_ik^j (E(a_ng, n) - 1) tokens (the
+drafts' accepted prefix and, where all j held, the lookup's); where it never matches ((1-m)^g) level k verifies the
+exit's g drafts, V_ik(g+1), yielding E(a_ik, g). a_ik is the exit's own rate (pair "Lk>U"), a_ng the n-gram's
+("ngram>U"). Per token, the expected cost of a round over its expected tokens (`lookup_first_rounds`):
 
-            T_k = ((m + (1-m) g) c + m (o + V_0k(n+1)) + (1-m) (g T_i + V_ik(g+1) + o)) / (m E(a_ng, n) + (1-m) E(a_ik, g))
+            T_k = sum_rounds p (lookups c + passes T_i + W or V + o) / sum_rounds p tokens
 
-again increasing affine in T_i. m is the n-gram's match rate per round measured under plain verification (a
-round the lookup misses advances one token there, E(a_ik, g) here, so the real rate per round differs a little;
-`auto` feeds the model each row's observed rate).
+again increasing affine in T_i. j = 0 only (a lookup before the first draft) was the formula until session 33; it
+priced the SmolLM2 drafter's lookup-first chain at 1.54x `ar` where it ran 1.86x (Spec-Bench 40 x 128, bf16, one
+Zen 4 core), the rounds whose later lookup matched being counted as the drafter's alone. m is the n-gram's match
+rate per lookup measured under plain verification (matches come in bursts, so a lookup right after a miss matches
+a little less often than m; `auto` feeds the model each row's observed rate).
 
 Every pass over T > 1 positions also pays `position_overhead` x (T - 1): what the decoder's verification of one
 more position costs beyond the timed units (fitted by `calibrate` on real `ngram` runs; 0 in older calibrations).
@@ -58,7 +64,8 @@ states): on average E - 1 more entries, priced at the curve's slope, c(x) = draf
 
 and the lookup-first "ngram|eagle3" is the lookup-first formula above with T_i = D_e and V_ik = V_0k, plus the
 context its drafter takes in: c(x) per round with x = the tokens verified since its last pass (every token the
-model verifies passes through the drafter's context once), i.e. m E(a_ng, n) + (1-m) (E(a_ik, g) - 1) entries.
+model verifies passes through the drafter's context once): a round's tokens where the lookup matched before any
+draft, one fewer where the drafter ran (its pass already took the newest one), in expectation over the rounds.
 o_d (`drafter_overhead`) and o_v = o + `drafter_verify_overhead` are what the decoder's drafter pass and its
 verifications (which capture the aux layers) cost beyond the timed units, fitted on real `eagle` runs by
 `calibrate` (0 in calibrations that did not measure them); every verification of a drafter hierarchy pays o_v.
@@ -256,6 +263,8 @@ def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acce
     """T_upper from T_lower (increasing affine in t_lower; see the module docstring)."""
     o = cal.step_overhead + (cal.drafter_verify_overhead if is_drafter(lower) else 0.0)  # (per verification)
     alpha = _alpha(cal, acceptance, level_pairs(lower, upper)[0])
+    if lookup_exit(lower) is not None:
+        return _lookup_first_step(cal, lower, upper, g, t_lower, alpha, acceptance, match, o)
     if is_drafter(lower):  # its chains, gated at the calibration's gate: expectations over where they stop
         rounds = gated_rounds(alpha, g, cal.drafter_pass)
         E = sum(p * e for p, _, _, e in rounds)
@@ -264,14 +273,6 @@ def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acce
     else:
         E, passes = expected_tokens(alpha, g), g
         verify = _pass_cost(cal, lower, upper, g + 1)
-    if lookup_exit(lower) is not None:
-        m, c, n = min(max(match, 0.0), 1.0), cal.ngram_cost, cal.ngram_max_len
-        a_n = _alpha(cal, acceptance, pair_key(NGRAM, upper))
-        served = o + _pass_cost(cal, None, upper, n + 1)  # the lookup's n tokens verified in one pass
-        drafted = passes * t_lower + verify + o  # the exit's g tokens, then verified
-        E_n = expected_tokens(a_n, n)
-        context = _drafter_context(cal, m * E_n + (1 - m) * (E - 1)) if is_drafter(lower) else 0.0
-        return ((m + (1 - m) * passes) * c + m * served + (1 - m) * drafted + context) / (m * E_n + (1 - m) * E)
     if lower == EAGLE:
         return (passes * t_lower + _drafter_context(cal, E - 1) + verify + o) / E
     if lower == NGRAM:
@@ -279,6 +280,49 @@ def _step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, acce
         return ((t_lower + o + m * _pass_cost(cal, None, upper, g + 1) + (1 - m) * _pass_cost(cal, None, upper, 1))
                 / (1 + m * (E - 1)))
     return (g * t_lower + _pass_cost(cal, lower, upper, g + 1) + o) / E
+
+
+def lookup_first_rounds(gamma: int, q: float, m: float) -> list[tuple[float, int, int, bool]]:
+    """The rounds of a lookup-first level 0 (`ngram|EXIT`) with a chain of at most `gamma` drafts: before each
+    draft step the lookup is tried (matching with probability `m`, i.i.d.), and where it matches, its proposal
+    follows the drafts made so far and the round ends; each draft step passes the chain's gate with probability
+    `q` (else the chain ends there, its pass spent; q = 1: no gate). -> [(probability, drafts j, drafter passes,
+    lookup proposed)]; lookups tried = passes + 1 where the lookup proposed, else passes."""
+    q, m = min(max(float(q), 0.0), 1.0), min(max(float(m), 0.0), 1.0)
+    out, reach = [], 1.0  # reach: the chance the round is still drafting with j drafts proposed
+    for j in range(gamma):
+        out.append((reach * m, j, j, True))  # the lookup matched after j drafts
+        missed = reach * (1 - m)
+        if q < 1.0:
+            out.append((missed * (1 - q), j, j + 1, False))  # draft j+1 failed the gate
+        reach = missed * q
+    return out + [(reach, gamma, gamma, False)]
+
+
+def _lookup_first_step(cal: Calibration, lower: str, upper: str, g: int, t_lower: float, alpha: float,
+                       acceptance: dict | None, match: float, o: float) -> float:
+    """T_upper for a lookup-first level 0 (module docstring): the expectation, over `lookup_first_rounds`, of each
+    round's cost and of its tokens (a renewal-reward ratio)."""
+    c, n = cal.ngram_cost, cal.ngram_max_len
+    E_n = expected_tokens(_alpha(cal, acceptance, pair_key(NGRAM, upper)), n)
+    q = cal.drafter_pass if is_drafter(lower) else 1.0
+    e_lo, e_hi = cal.depth(lower), cal.depth(upper)
+    cost = tokens = intake = 0.0
+    for p, j, passes, served in lookup_first_rounds(g, q, match):
+        if p <= 0.0:
+            continue
+        if served:  # j drafts, then the lookup's n tokens: all verified in one pass over j + n + 1 positions
+            T = j + n + 1
+            verify = (e_lo * cal.layer_cost(n + 1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
+                      + cal.position_overhead * (T - 1))
+            E = expected_tokens(alpha, j) + alpha ** j * (E_n - 1)
+        else:
+            verify, E = _pass_cost(cal, lower, upper, j + 1), expected_tokens(alpha, j)
+        cost += p * ((passes + served) * c + passes * t_lower + verify + o)
+        tokens += p * E
+        intake += p * (E if passes == 0 else E - 1)  # a round the drafter ran in already took its first entry
+    context = _drafter_context(cal, intake) if is_drafter(lower) else 0.0
+    return (cost + context) / tokens
 
 
 def _check_levels(cal: Calibration, levels) -> list[str]:

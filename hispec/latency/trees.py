@@ -28,7 +28,9 @@ replace the exit's passes by the drafter's and add what a drafter hierarchy pays
     T_tree  = (R(tree) + c(E(tree) - 1)) / E(tree),
 
 c(x) the drafter's context (the tokens verified since it last ran), r(k) its step-0 top-k agreement moved to its
-chain rate (`_topk_rates`); `tree_overhead` is the exit trees' fit (no drafter-tree probe is timed). The
+chain rate (`_topk_rates`), and o_tree the drafter trees' own `drafter_tree_overhead` (fitted by `calibrate` on real
+rounds of a drafter tree of shape TREE_PROBE; the exit trees' fit in older calibrations, which priced the SmolLM2
+drafter's trees too cheap: predicted above its lookup-first chain, measured 7% below, session 32). The
 lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
 round kinds as the lookup-first formula (`hispec.latency.model`) does, the exit's chain round replaced by R(tree)
 and E(tree).
@@ -83,15 +85,15 @@ def tree_round_seconds(widths, cal: Calibration, level: str) -> float:
     """R(tree): the predicted seconds of one static tree round drafted by `level` (see the module docstring);
     memoised per calibration (`auto` prices its tree for every row before every round)."""
     def compute():
-        e, L, o = cal.depth(level), cal.num_layers, cal.step_overhead
-        counts, n = [], 1
+        o, counts, n = cal.step_overhead, [], 1
         for k in widths:
             n *= int(k)
             counts.append(n)
         if level == EAGLE:  # one drafter pass per inner depth, then the whole model over N + 1 (module docstring)
             t = sum(cal.head_cost(EAGLE, nd) + o + cal.drafter_overhead for nd in [1] + counts[:-1])
             return (t + _pass_cost(cal, None, FULL, sum(counts) + 1) + o + cal.drafter_verify_overhead
-                    + cal.tree_overhead)
+                    + cal.drafter_tree_overhead)
+        e, L = cal.depth(level), cal.num_layers
         t = e * cal.layer_cost(1) + cal.head_cost(level, 1) + o
         for nd in counts[:-1]:
             t += e * cal.layer_cost(nd) + cal.head_cost(level, nd) + o
