@@ -249,6 +249,20 @@ def test_speedup_is_the_median_of_side_by_side_ratios_and_a_mismatch_breaks_iden
     assert "lossless up to rounding ties" in bench.format_table(summary)
 
 
+def test_the_tables_make_room_for_long_strategy_names():
+    name = "eagle-lookup-tree:4x2x1"  # longer than the 17 columns shorter names get
+    cfg = bench.BenchConfig(strategies=("hf", name), max_new_tokens=4)
+    records = [_record(0, "a", (2.0, 1.0), {"hf": [1, 2, 3, 4], name: [1, 2, 3, 4]})]
+    result = bench.BenchResult(cfg, records, {"name_or_path": "x", "num_layers": 6, "draft_layer": 2,
+                                              "verify_layer": 4, "head_type": "linear", "dtype": "float32"},
+                               bench.hardware_info(), tie_tolerance=0.5)
+    lines = bench.format_table(bench.summarize(result)).splitlines()
+    header = next(line for line in lines if line.startswith("strategy"))
+    row = next(line for line in lines if line.startswith(name))
+    end = header.index("tok/s") + len("tok/s")  # the columns stay under their headers
+    assert row[:end].split() == [name, "4.0"] and row[end] == " ", (header, row)
+
+
 def test_tie_checker_reports_the_fp32_margin_at_the_first_divergence(checkpoint):
     model = hispec.load(checkpoint)
     ids = torch.tensor([[5, 9, 14, 3]])

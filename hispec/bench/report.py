@@ -19,6 +19,7 @@ def format_table(summary: Summary) -> str:
     """Fixed-width text: one row per strategy, then speedup vs hf and identity per category."""
     m, hw = summary.model_info, summary.hardware
     cfg = summary.config
+    sw = max(17, *(len(n) + 2 for n in list(summary.strategies) + list(summary.failed)))  # the strategy column
     lines = [
         f"model {m['name_or_path']} ({m['num_layers']} layers, exits {m['draft_layer']}/{m['verify_layer']}, "
         f"{m['head_type']} heads, {m['dtype']}); {len(summary.per_prompt)} prompts x {cfg.max_new_tokens} new tokens, "
@@ -28,39 +29,39 @@ def format_table(summary: Summary) -> str:
                                                      f"{m['packed_time_ratio']:.2f})"),
         f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}, transformers {hw['transformers']}",
         "",
-        f"{'strategy':<17}{'tok/s':>8}{'vs hf':>8}{'vs s-s':>8}{'tok/pass':>9}{'acc L_i':>8}{'acc L':>7}"
+        f"{'strategy':<{sw}}{'tok/s':>8}{'vs hf':>8}{'vs s-s':>8}{'tok/pass':>9}{'acc L_i':>8}{'acc L':>7}"
         f"{'layers/tok':>11}  {'time % pre/draft/verify/target/other':<37}{'identical':>10}{'~ties':>7}",
     ]
     for s in summary.strategies.values():
         share = "/".join(f"{100 * s.time_share[k]:.0f}" for k in STAGES)
         lines.append(
-            f"{s.strategy:<17}{_f(s.tokens_per_s, '{:.1f}'):>8}{_f(s.speedup_vs_hf, '{:.2f}x'):>8}"
+            f"{s.strategy:<{sw}}{_f(s.tokens_per_s, '{:.1f}'):>8}{_f(s.speedup_vs_hf, '{:.2f}x'):>8}"
             f"{_f(s.speedup_vs_self_spec, '{:.2f}x'):>8}{_f(s.tokens_per_target_pass):>9}"
             f"{_f(s.verify_acceptance):>8}{_f(s.target_acceptance):>7}{_f(s.layer_evals_per_token, '{:.1f}'):>11}"
             f"  {share:<37}{_f(s.identical):>10}{_f(s.identical_up_to_ties):>7}"
         )
     for name, why in summary.failed.items():
-        lines.append(f"{name:<17}FAILED (not timed): {why[:200]}")
+        lines.append(f"{name:<{sw}}FAILED (not timed): {why[:200]}")
     names = list(summary.strategies)
     preds = [s for s in summary.strategies.values() if s.predicted_speedup_vs_ar is not None]
     if preds:
         hw = max(26, *(len(s.hierarchy or "-") + 2 for s in preds))  # e.g. "auto:ngram|L4>full[tree 5]" in full
         lines += ["", "latency model vs measured, speedup over ar: predicted from the checkpoint's calibration, and "
                   "from this run's own acceptance rates (the cost model alone)",
-                  f"{'strategy':<17}{'hierarchy':<{hw}}{'measured':>9}{'pred cal':>9}{'error':>8}{'pred obs':>9}"
+                  f"{'strategy':<{sw}}{'hierarchy':<{hw}}{'measured':>9}{'pred cal':>9}{'error':>8}{'pred obs':>9}"
                   f"{'error':>8}{'plain %':>8}  observed acceptance"]
         for s in preds:
             obs = ", ".join(f"{k} {v:.2f}" for k, v in (s.observed_acceptance or {}).items() if v is not None)
-            lines.append(f"{s.strategy:<17}{s.hierarchy or '-':<{hw}}{_f(s.speedup_vs_ar, '{:.2f}x'):>9}"
+            lines.append(f"{s.strategy:<{sw}}{s.hierarchy or '-':<{hw}}{_f(s.speedup_vs_ar, '{:.2f}x'):>9}"
                          f"{_f(s.predicted_speedup_vs_ar, '{:.2f}x'):>9}{_f(s.prediction_error, '{:+.0%}'):>8}"
                          f"{_f(s.predicted_speedup_observed, '{:.2f}x'):>9}{_f(s.prediction_error_observed, '{:+.0%}'):>8}"
                          f"{_f(None if s.plain_share is None else 100 * s.plain_share, '{:.0f}'):>8}  {obs}")
     pairs = [s for s in summary.strategies.values() if s.speedup_vs_token is not None]
     if pairs:
         lines += ["", "sequence-level (hsd) vs token-wise verification of the same strategy",
-                  f"{'strategy':<17}{'tok/pass':>9}{'vs token':>9}{'tok/s':>8}{'vs token':>9}"]
+                  f"{'strategy':<{sw}}{'tok/pass':>9}{'vs token':>9}{'tok/s':>8}{'vs token':>9}"]
         for s in pairs:
-            lines.append(f"{s.strategy:<17}{_f(s.tokens_per_target_pass):>9}"
+            lines.append(f"{s.strategy:<{sw}}{_f(s.tokens_per_target_pass):>9}"
                          f"{_f(s.tokens_per_target_pass_vs_token, '{:.3f}x'):>9}{_f(s.tokens_per_s, '{:.1f}'):>8}"
                          f"{_f(s.speedup_vs_token, '{:.3f}x'):>9}")
     width = max(12, *(len(n) + 2 for n in names))
