@@ -174,12 +174,11 @@ def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int, b
 
 
 def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget: Budget, step: float,
-                  strategy: str, progress: bool = False, **kw) -> list[tuple[float, float, float, float, float]]:
+                  strategy: str, progress: bool = False, **kw) -> list[tuple[float, ...]]:
     """Short real decoder runs of `strategy` (up to 32 tokens per prompt) after one untimed warm-up run -> per run
     (level 0's seconds per pass, its entries per pass (layer evaluations: a drafter's entries), the full model's
     seconds per verification, positions per verification, level 0's passes per verification, new tokens per
-    verification); `kw`: more
-    `generate` options (a `tree`). A run starts only while it fits the budget (first
+    verification); `kw`: more `generate` options (a `tree`). A run starts only while it fits the budget (first
     guess, before any was timed: every token costs gamma draft steps and a verification, each as dear as a plain
     step `step`)."""
     runs, spent = [], []

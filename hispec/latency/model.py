@@ -222,11 +222,13 @@ def gated_rounds(alpha: float, gamma: int, q: float) -> list[tuple[float, int, i
     return out + [(q ** gamma, gamma, gamma, expected_tokens(alpha, gamma))]
 
 
-def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int) -> float:
-    """V_ik(T): level `upper` verifies T-1 tokens gathered by `lower` (None / "ngram": no layer ran on them)."""
+def _pass_cost(cal: Calibration, lower: str | None, upper: str, T: int, fresh: int = 1) -> float:
+    """V_ik(T): level `upper` verifies T-1 tokens gathered by `lower` (None / "ngram": no layer ran on them); the
+    layers below `lower`'s exit run over the `fresh` newest positions only (its newest draft's input; more where a
+    lookup's tokens followed its drafts)."""
     e_lo = 0 if lower is None else cal.depth(lower)
     e_hi = cal.depth(upper)
-    return (e_lo * cal.layer_cost(1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
+    return (e_lo * cal.layer_cost(fresh) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
             + cal.position_overhead * (T - 1))
 
 
@@ -306,15 +308,12 @@ def _lookup_first_step(cal: Calibration, lower: str, upper: str, g: int, t_lower
     c, n = cal.ngram_cost, cal.ngram_max_len
     E_n = expected_tokens(_alpha(cal, acceptance, pair_key(NGRAM, upper)), n)
     q = cal.drafter_pass if is_drafter(lower) else 1.0
-    e_lo, e_hi = cal.depth(lower), cal.depth(upper)
     cost = tokens = intake = 0.0
     for p, j, passes, served in lookup_first_rounds(g, q, match):
         if p <= 0.0:
             continue
         if served:  # j drafts, then the lookup's n tokens: all verified in one pass over j + n + 1 positions
-            T = j + n + 1
-            verify = (e_lo * cal.layer_cost(n + 1) + (e_hi - e_lo) * cal.layer_cost(T) + cal.head_cost(upper, T)
-                      + cal.position_overhead * (T - 1))
+            verify = _pass_cost(cal, lower, upper, j + n + 1, fresh=n + 1)
             E = expected_tokens(alpha, j) + alpha ** j * (E_n - 1)
         else:
             verify, E = _pass_cost(cal, lower, upper, j + 1), expected_tokens(alpha, j)
