@@ -435,6 +435,46 @@ def test_the_guard_explores_plain_rounds_only_while_they_could_win(monkeypatch):
     assert 5 < slow.count("plain") < 200 / decoding._PlainGuard.EXPLORE * 2, slow
 
 
+def test_one_unlucky_round_does_not_send_the_batch_plain(monkeypatch):
+    """Speculative rounds cost 1.3 plain rounds and could commit 4 tokens; the first measured one commits 1 (1.3
+    per token, dearer than plain by more than MARGIN), the later ones 3 (0.43 per token). Judged on that one round
+    the guard would decode ~EXPLORE rounds plainly before looking again (measured on the fp32 demo: 21 plain rounds
+    in a row after such a round); until EVIDENCE speculative rounds are measured it judges them by their capacity
+    (1.3 / 4 per token) and speculates on. Rounds that could not pay even had every draft been accepted (2 plain
+    rounds' time for at most 1.5 tokens a round) send it plain at once."""
+    from hispec.decoding.stats import GenerationStats
+
+    clock = [0.0]
+    monkeypatch.setattr(decoding._PlainGuard, "clock", staticmethod(lambda: clock[0]))
+
+    def arms_of(guard, cost, yields, capacity, rounds=40):
+        run = types.SimpleNamespace(gam=[], seq=torch.tensor([5]), committed_tokens=0,
+                                    lookup_only=torch.zeros(1, dtype=torch.bool), stats=GenerationStats(),
+                                    device=torch.device("cpu"))
+        arms, spec_rounds = [], 0
+        for _ in range(rounds):
+            run.gam = [torch.tensor([3])]
+            guard.begin(run)
+            spec = int(run.gam[0][0]) > 0
+            clock[0] += cost if spec else 1.0
+            run.committed_tokens += yields[min(spec_rounds, len(yields) - 1)] if spec else 1
+            run.stats.top.proposed += capacity - 1 if spec else 0
+            spec_rounds += spec
+            guard.end(run)
+            arms.append("spec" if spec else "plain")
+        return arms
+
+    unlucky = [2, 1, 3]  # (the setup round's, unmeasured), then one token, then three a round
+    arms = arms_of(decoding._PlainGuard(), 1.3, unlucky, capacity=4)
+    assert arms.count("plain") == 1 and arms[:3] == ["spec", "spec", "plain"], arms  # (the schedule's one)
+    monkeypatch.setattr(decoding._PlainGuard, "EVIDENCE", 0)  # judged on the one round
+    arms = arms_of(decoding._PlainGuard(), 1.3, unlucky, capacity=4)
+    assert arms[2:12] == ["plain"] * 10, arms
+    monkeypatch.setattr(decoding._PlainGuard, "EVIDENCE", 4)
+    hopeless = arms_of(decoding._PlainGuard(), 3.0, [1], capacity=2)
+    assert hopeless[:2] == ["spec", "spec"] and hopeless[2:].count("spec") <= 3, hopeless
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_a_row_that_went_plain_climbs_back_when_its_drafts_would_pay_again(monkeypatch, tree):
     model = _wrap(_oracle(tiny_model("qwen2"), 2), head_type="shared", draft=2, verify=4)

@@ -58,18 +58,34 @@ class _PlainGuard:
     every round, so where its yield falls towards plain's the explorations resume. Measured before NEAR (session 33,
     SmolLM2 bf16, the shipped drafter's lookup-first tree, one Zen 4 core, 10 Spec-Bench prompts x 128 tokens):
     the explorations were 30 of the 40 plain rounds in ~650, and `auto` ran 7.5% slower than the same tree without
-    them (1.92 against 2.07 tokens per verification)."""
+    them (1.92 against 2.07 tokens per verification).
+
+    Until EVIDENCE speculative rounds are measured, speculation is judged by its rounds' capacity (one token per
+    row plus every token the full model was asked to verify: what they would have committed had every proposal been
+    accepted), not by what they committed: it yields early only where no yield could pay. A round's yield is
+    heavy-tailed (a lookup copies 9 tokens, most rounds commit 1 or 2), so one or two rounds say little about it,
+    while the price of a wrong early "plain" is ~EXPLORE rounds of plain decoding before speculation is looked at
+    again. Measured on the demo checkpoint (SmolLM2 fp32, one Zen 4 core, 10 Spec-Bench prompts): one prompt's first
+    measured round took 83 ms for 1 token against 61 ms for a plain one, and the guard decoded 36 of the next 37
+    rounds plainly, 8.5 s for 128 tokens against 7.3 s with the guard off (session 33: 4 of 10 calls so). Replayed
+    through the guard (that run's rounds with the guard off, reshuffled into 300 calls; speculative rounds' costs
+    scaled to move the break-even), judging the first rounds by capacity took `auto` from 1.85x to 1.86x of `ar`
+    as measured (1.90x unguarded), from 1.38x to 1.43x with rounds 1.3x dearer (1.46x unguarded), and changed
+    nothing where speculation loses (1.04x both at 2x dearer, 0.95x unguarded; 0.85x both at 10x, where the first
+    round's capacity already loses)."""
 
     DECAY = 0.9  # per later round of the same arm
     EXPLORE = 16  # the arm not in use is measured again once EXPLORE of its rounds' time went to the other
     NEAR = 0.8  # ... the plain arm only while speculation costs more than NEAR x plain per token
     WARM = 1  # measured speculative rounds (after the unmeasured setup round) before the first plain measurement
+    EVIDENCE = 4  # measured speculative rounds before their yield, not only their cost, can send the batch plain
     MARGIN = 0.15  # speculation yields to plain rounds only when measured dearer per token by more than this
     clock = staticmethod(time.perf_counter)
 
     def __init__(self):
         self.sec = {"spec": 0.0, "plain": 0.0}
         self.tok = {"spec": 0.0, "plain": 0.0}
+        self.cap = 0.0  # the speculative rounds' capacity, decayed like `tok`: tokens had every proposal been accepted
         self.last = {"spec": None, "plain": None}  # per arm: (round, elapsed seconds) of its last measurement
         self.round_sec = {"spec": 0.0, "plain": 0.0}  # per arm: its last round's seconds
         self.spec_rounds = 0
@@ -99,6 +115,8 @@ class _PlainGuard:
             return "plain" if self.spec_rounds >= self.WARM else "spec"
         if spec is None:
             return "spec"
+        if self.spec_rounds < self.EVIDENCE:  # few rounds: judged by what they could yield, not what they did
+            spec = self.sec["spec"] / max(self.cap, self.tok["spec"])
         best, other = ("spec", "plain") if spec <= plain * (1 + self.MARGIN) else ("plain", "spec")
         if best == "spec" and spec < self.NEAR * plain:  # plain cannot win soon: no exploration
             return best
@@ -117,14 +135,16 @@ class _PlainGuard:
             run.stats.lookup_only_row_rounds -= int(run.lookup_only.sum())  # (counted by the rule: plain now)
             run.lookup_only = torch.zeros_like(run.lookup_only)
             run.stats.guarded_rounds += 1
-        self._open = (arm, self._now(run), run.committed_tokens)
+        # (the round's capacity: one token per row plus every token the full model is asked to verify)
+        self._open = (arm, self._now(run), run.committed_tokens, len(run.seq) - run.stats.top.proposed)
 
     def end(self, run) -> None:
         if self._open is None:
             return
-        arm, t0, n0 = self._open
+        arm, t0, n0, c0 = self._open
         self._open = None
         seconds, tokens = self._now(run) - t0, run.committed_tokens - n0
+        capacity = max(c0 + run.stats.top.proposed, tokens)
         if arm == "spec" and self.setup:
             self.setup = False
             return
@@ -132,6 +152,8 @@ class _PlainGuard:
             return
         self.sec[arm] = self.DECAY * self.sec[arm] + seconds
         self.tok[arm] = self.DECAY * self.tok[arm] + tokens
+        if arm == "spec":
+            self.cap = self.DECAY * self.cap + capacity
         self.elapsed += seconds
         self.round_sec[arm] = seconds
         self.last[arm] = (self.round, self.elapsed)
