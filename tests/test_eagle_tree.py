@@ -207,6 +207,35 @@ def test_calibrate_measures_the_drafters_top_k_agreement():
     assert cal.costs["drafter_tree_overhead"] >= 0  # timed on real rounds of the drafter's probe tree
 
 
+
+def test_a_tight_calibration_budget_times_the_drafters_rounds_before_the_exits_tree(monkeypatch):
+    """Step 4's real runs start only while they fit the budget, so their order is what a tight budget keeps: with a
+    drafter attached, its chain and tree runs (what `auto` plans with) come right after the n-gram runs, before the
+    exit's tree; a run the budget cuts is recorded under its own name (chain and tree runs apart)."""
+    from test_eagle_auto import _prompts, _with_drafter
+
+    from hispec import NgramConfig, latency
+    from hispec.latency import budget as budget_mod
+    from hispec.latency import measure
+
+    order = []
+    real = measure._decoder_runs
+
+    def spy(model, ids_list, max_new_tokens, budget, step, strategy, progress=False, **kw):
+        order.append(strategy + ("-tree" if kw.get("tree") else ""))
+        return real(model, ids_list, max_new_tokens, budget, step, strategy, progress, **kw)
+
+    monkeypatch.setattr(measure, "_decoder_runs", spy)
+    model = _with_drafter()
+    prompts = _prompts()[:3]
+    latency.calibrate(model, prompts, max_new_tokens=12, repeats=1, max_gamma=4, ngram=NgramConfig())
+    assert order == ["self-spec", "ngram", "eagle", "eagle-tree", "self-spec-tree"], order
+    monkeypatch.setattr(budget_mod.Budget, "fits", lambda self, step, estimate: step != "decoder")
+    cal = latency.calibrate(model, prompts, max_new_tokens=12, repeats=1, max_gamma=4, ngram=NgramConfig(),
+                            max_seconds=60)
+    assert {"ngram_step_runs", "eagle_step_runs", "eagle_tree_step_runs",
+            "self-spec_tree_step_runs"} <= set(cal.budget["skipped"]), cal.budget
+
 def _tree_priors(model, eagle=0.5, topk=(0.5, 0.85, 0.95), ngram=0.0, match=0.0, prompts=None):
     """Priors under which `auto` plans a drafter tree: a drafter whose top-k agrees far more often than its top-1
     (and the realistic cost shape of `_drafter_priors`: wide verifications nearly free)."""

@@ -191,7 +191,8 @@ def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget:
         if n < 2:
             continue
         if not budget.fits("decoder", n * (max(spent) if spent else worst)):
-            budget.skip(f"{strategy}_step_runs", {"timed": len(runs), "of": len(todo) - 1})
+            what = f"{strategy}{'_tree' if kw.get('tree') else ''}_step_runs"  # (chain and tree runs apart)
+            budget.skip(what, {"timed": len(runs), "of": len(todo) - 1})
             break
         t0 = timing.now(model.adapter.device)
         out = model.generate(torch.tensor([ids], device=model.adapter.device), strategy=strategy, max_new_tokens=n,
@@ -246,31 +247,35 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
     """Step 4's fits on real rounds, into `units().costs`, each priced by the latency model's own terms under the
     unit costs fitted so far (`units()`: a fresh Calibration of them, so its memo never holds an earlier fit):
     `position_overhead` from `ngram` runs (first: the others' verifications pay it), the drafter's from `eagle`
-    runs (with one attached), `tree_overhead` from `self-spec` runs of `TREE_PROBE` (and `drafter_tree_overhead`
-    from `eagle` runs of it)."""
+    runs (with one attached), `drafter_tree_overhead` from `eagle` runs of `TREE_PROBE`, then `tree_overhead` from
+    `self-spec` runs of it. The drafter's runs come before the exit's tree because, under a tight budget (each
+    step's runs start only while they fit), they are what `auto` plans with where a drafter is attached: Qwen2.5-
+    Coder-1.5B's calibration at the default 300 s (session 33, one Zen 4 core) had time for none of them, and
+    priced the drafter's rounds without their overheads."""
     costs = units().costs
     runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "ngram", progress)
     cal = units()
     costs["position_overhead"] = fit_position_overhead(runs, o=cal.step_overhead,
                                                        verify=lambda p: _pass_cost(cal, None, FULL, p))
+    trees = max_gamma >= len(TREE_PROBE)
     if costs.get("drafter"):
         runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "eagle", progress)
         cal = units()
         costs["drafter_overhead"], costs["drafter_verify_overhead"] = fit_drafter_costs(
             runs, drafter=lambda n: cal.head_cost(EAGLE, n), o=cal.step_overhead,
             verify=lambda p: _pass_cost(cal, None, FULL, p))
-    if max_gamma >= len(TREE_PROBE):
-        runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "self-spec", progress,
-                             tree=list(TREE_PROBE))
-        costs["tree_overhead"] = fit_tree_overhead(runs, rounds=tree_round_seconds(
-            TREE_PROBE, units(), level_name(model.draft_layer)))
-        if costs.get("drafter"):  # the drafter's trees: their own masks over its entries, its nodes' KV
+        if trees:  # the drafter's trees: their own masks over its entries, its nodes' KV
             runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "eagle", progress,
                                  tree=list(TREE_PROBE))
             cal = units()
             bare = tree_round_seconds(TREE_PROBE, cal, EAGLE) - cal.drafter_tree_overhead
             costs["drafter_tree_overhead"] = fit_tree_overhead(
                 runs, rounds=bare, context=lambda tokens: _drafter_context(cal, tokens - 1))
+    if trees:
+        runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "self-spec", progress,
+                             tree=list(TREE_PROBE))
+        costs["tree_overhead"] = fit_tree_overhead(runs, rounds=tree_round_seconds(
+            TREE_PROBE, units(), level_name(model.draft_layer)))
 
 
 def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progress: bool):
@@ -467,9 +472,11 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
        costs beyond V_0k over as many positions (`drafter_verify_overhead`: the aux layers' capture), per pass
        (`fit_drafter_costs`; SmolLM2 fp32, 2-core EPYC: the timed pass was 2.15 ms, the decoder's 2.9 ms).
        Likewise real `self-spec` runs of the static tree `TREE_PROBE` give what a tree round costs beyond R(tree)
-       (`tree_overhead`, per round: masks, gathers, compaction; `fit_tree_overhead`), and real `ngram` runs what
-       a verification costs per position past the first beyond the timed units (`position_overhead`, fitted
-       first: every pass over T positions pays it T - 1 times; `fit_position_overhead`).
+       (`tree_overhead`, per round: masks, gathers, compaction; `fit_tree_overhead`; the drafter's trees their
+       own, `drafter_tree_overhead`, from `eagle` runs of it), and real `ngram` runs what a verification costs per
+       position past the first beyond the timed units (`position_overhead`, fitted first: every pass over T
+       positions pays it T - 1 times; `fit_position_overhead`). Order: n-gram, the drafter's chain and tree, the
+       exit's tree (`_fit_round_costs`: a tight budget keeps the first).
 
     5. of the n-gram configs, the one `auto_plan` is predicted fastest with (`_choose_ngram`); 6. with a drafter,
     its chains gated at each of DRAFT_GATES counted along the same answers and the gate auto's plan is predicted
