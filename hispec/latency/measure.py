@@ -174,11 +174,13 @@ def _draft_step_seconds(model, ids_list: list[list[int]], max_new_tokens: int, b
 
 
 def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget: Budget, step: float,
-                  strategy: str, progress: bool = False, **kw) -> list[tuple[float, ...]]:
+                  strategy: str, progress: bool = False, indices: list | None = None,
+                  **kw) -> list[tuple[float, ...]]:
     """Short real decoder runs of `strategy` (up to 32 tokens per prompt) after one untimed warm-up run -> per run
     (level 0's seconds per pass, its entries per pass (layer evaluations: a drafter's entries), the full model's
     seconds per verification, positions per verification, level 0's passes per verification, new tokens per
-    verification); `kw`: more `generate` options (a `tree`). A run starts only while it fits the budget (first
+    verification); `indices`: appended the index in `ids_list` of each run's prompt; `kw`: more `generate` options
+    (a `tree`). A run starts only while it fits the budget (first
     guess, before any was timed: every token costs gamma draft steps and a verification, each as dear as a plain
     step `step`)."""
     runs, spent = [], []
@@ -203,17 +205,27 @@ def _decoder_runs(model, ids_list: list[list[int]], max_new_tokens: int, budget:
             runs.append((low.seconds / low.passes, low.layer_evals / low.passes, top.seconds / top.passes,
                          (top.proposed + top.row_passes) / top.passes, low.passes / top.passes,
                          len(out.new_tokens[0]) / top.passes))
+            if indices is not None:
+                indices.append(i - 1)
         bar.update()
     bar.close()
     return runs
 
 
-def fit_position_overhead(runs, *, verify, o: float) -> float:
+def fit_position_overhead(runs, *, verify, o: float, scale=None) -> float:
     """`position_overhead`: what the decoder's verification costs per position past the first beyond the timed
     units (`verify(p) + o`), from real `ngram` runs (`_decoder_runs`: seconds and mean positions per verification);
-    median over the runs that verified more than one position on average, >= 0."""
-    per = [max(0.0, (v - verify(p) - o) / (p - 1)) for _, _, v, p, *_ in runs if p > 1.05]
-    return statistics.median(per) if per else 0.0
+    the least over the runs that verified more than one position on average (noise only adds time, and divided by
+    p - 1 it adds a lot), >= 0. `scale`: per run, its prompt's plain
+    decode step over the calibration's median one (step 1's answers): the units are timed at the typical context, a
+    run's passes at its prompt's, so `verify(p) + o` is scaled by it. Why: the excess is divided by p - 1 (~0.3 on
+    SmolLM2), so a long prompt's dearer attention read as a cost per position; unscaled, one bf16 SmolLM2
+    calibration (session 34, one Zen 4 core) fitted 10.9 ms per position (a plain step is 43 ms) and predicted every
+    drafter chain at <= 1.16x of `ar`, against 1.4-1.7x measured; the same machine's runs, with the other core's
+    job taking memory bandwidth, read 0.6-1.6 ms per position in one repeat and 24-68 ms in the next."""
+    scale = list(scale) if scale is not None else [1.0] * len(runs)
+    per = [max(0.0, (v - c * (verify(p) + o)) / (p - 1)) for (_, _, v, p, *_), c in zip(runs, scale) if p > 1.05]
+    return min(per) if per else 0.0
 
 
 TREE_PROBE = [4, 2]  # the static tree whose real rounds `calibrate` times (12 nodes: the size `auto` plans here)
@@ -243,7 +255,7 @@ def fit_drafter_costs(runs, *, drafter, verify, o: float) -> tuple[float, float]
 
 
 def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step: float, progress: bool,
-                     max_gamma: int, units) -> None:
+                     max_gamma: int, units, steps=None) -> None:
     """Step 4's fits on real rounds, into `units().costs`, each priced by the latency model's own terms under the
     unit costs fitted so far (`units()`: a fresh Calibration of them, so its memo never holds an earlier fit):
     `position_overhead` from `ngram` runs (first: the others' verifications pay it), the drafter's from `eagle`
@@ -251,11 +263,14 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
     `self-spec` runs of it. The drafter's runs come before the exit's tree because, under a tight budget (each
     step's runs start only while they fit), they are what `auto` plans with where a drafter is attached: Qwen2.5-
     Coder-1.5B's calibration at the default 300 s (session 33, one Zen 4 core) had time for none of them, and
-    priced the drafter's rounds without their overheads."""
+    priced the drafter's rounds without their overheads. `steps`: step 1's plain decode step per prompt of
+    `ids_list` (None: not timed), which prices each n-gram run at its prompt's context (`fit_position_overhead`)."""
     costs = units().costs
-    runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "ngram", progress)
+    idx = []
+    runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "ngram", progress, indices=idx)
+    own = [(steps[i] if steps and i < len(steps) and steps[i] else step) / step for i in idx]
     cal = units()
-    costs["position_overhead"] = fit_position_overhead(runs, o=cal.step_overhead,
+    costs["position_overhead"] = fit_position_overhead(runs, o=cal.step_overhead, scale=own,
                                                        verify=lambda p: _pass_cost(cal, None, FULL, p))
     trees = max_gamma >= len(TREE_PROBE)
     if costs.get("drafter"):
@@ -279,8 +294,9 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
 
 
 def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progress: bool):
-    """Step 1: the model's greedy answers and the seconds of a decode step (prefill excluded) per answer; after the
-    first, an answer starts only while one more (the slowest so far) fits the budget's share."""
+    """Step 1: the model's greedy answers and the seconds of a decode step (prefill excluded) per answer (None for an
+    answer under 2 tokens); after the first, an answer starts only while one more (the slowest so far) fits the
+    budget's share."""
     dev = model.adapter.device
     max_pos = getattr(model.adapter.config, "max_position_embeddings", None)
     answers, steps, spent = [], [], []
@@ -295,8 +311,8 @@ def _greedy_answers(model, ids_list, max_new_tokens: int, budget: Budget, progre
             spent.append(timing.now(dev) - t0)
             new = list(out.new_tokens[0])
             answers.append(new)
-            if len(new) >= 2:
-                steps.append((spent[-1] - out.stats.seconds.get("prefill", 0.0)) / (len(new) - 1))
+            steps.append((spent[-1] - out.stats.seconds.get("prefill", 0.0)) / (len(new) - 1) if len(new) >= 2
+                         else None)
             bar.update()
     return answers, steps
 
@@ -504,7 +520,8 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
     costs["ngram"] = statistics.median(counts.lookups)
 
     # 4. the decoder's own costs: a per-layer factor and a per-pass overhead, from a plain and a draft step
-    step = statistics.median(steps) if steps else None
+    timed = [t for t in steps if t is not None]
+    step = statistics.median(timed) if timed else None
     draft = _draft_step_seconds(model, ids_list[:3], max_new_tokens, budget, step, progress) if step else None
     draft_layer = model.draft_layer
     costs["layer_scale"], costs["step_overhead"] = fit_decoder_costs(
@@ -517,7 +534,7 @@ def calibrate(model, prompts, *, max_new_tokens: int = 64, ngram: NgramConfig | 
                       for lv, hits in counts.topk_hits.items()})
     if step:
         _fit_round_costs(model, ids_list[:3], max_new_tokens, budget, step, progress, max_gamma,
-                         lambda: Calibration(**base, acceptance={}))
+                         lambda: Calibration(**base, acceptance={}), steps=steps[:3])
     cal = _choose_ngram(base, counts, min(5, max_new_tokens), progress)
     cal = _choose_gate(cal, counts, min(5, max_new_tokens))
     cal.budget = budget.report()
