@@ -207,7 +207,6 @@ def test_calibrate_measures_the_drafters_top_k_agreement():
     assert cal.costs["drafter_tree_overhead"] >= 0  # timed on real rounds of the drafter's probe tree
 
 
-
 def test_a_tight_calibration_budget_times_the_drafters_rounds_before_the_exits_tree(monkeypatch):
     """Step 4's real runs start only while they fit the budget, so their order is what a tight budget keeps: with a
     drafter attached, its chain and tree runs (what `auto` plans with) come right after the n-gram runs, before the
@@ -235,6 +234,7 @@ def test_a_tight_calibration_budget_times_the_drafters_rounds_before_the_exits_t
                             max_seconds=60)
     assert {"ngram_step_runs", "eagle_step_runs", "eagle_tree_step_runs",
             "self-spec_tree_step_runs"} <= set(cal.budget["skipped"]), cal.budget
+
 
 def _tree_priors(model, eagle=0.5, topk=(0.5, 0.85, 0.95), ngram=0.0, match=0.0, prompts=None):
     """Priors under which `auto` plans a drafter tree: a drafter whose top-k agrees far more often than its top-1

@@ -135,16 +135,16 @@ class _PlainGuard:
             run.stats.lookup_only_row_rounds -= int(run.lookup_only.sum())  # (counted by the rule: plain now)
             run.lookup_only = torch.zeros_like(run.lookup_only)
             run.stats.guarded_rounds += 1
-        # (the round's capacity: one token per row plus every token the full model is asked to verify)
-        self._open = (arm, self._now(run), run.committed_tokens, len(run.seq) - run.stats.top.proposed)
+        self._open = (arm, self._now(run), run.committed_tokens, len(run.seq), run.stats.top.proposed)
 
     def end(self, run) -> None:
         if self._open is None:
             return
-        arm, t0, n0, c0 = self._open
+        arm, t0, n0, rows, proposed0 = self._open
         self._open = None
         seconds, tokens = self._now(run) - t0, run.committed_tokens - n0
-        capacity = max(c0 + run.stats.top.proposed, tokens)
+        # its capacity: one token per row plus every token the full model was asked to verify
+        capacity = max(rows + run.stats.top.proposed - proposed0, tokens)
         if arm == "spec" and self.setup:
             self.setup = False
             return

@@ -268,7 +268,7 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
     costs = units().costs
     idx = []
     runs = _decoder_runs(model, ids_list, max_new_tokens, budget, step, "ngram", progress, indices=idx)
-    own = [(steps[i] if steps and i < len(steps) and steps[i] else step) / step for i in idx]
+    own = [(steps[i] if steps and i < len(steps) and steps[i] else step) / step for i in idx]  # (untimed: 1)
     cal = units()
     costs["position_overhead"] = fit_position_overhead(runs, o=cal.step_overhead, scale=own,
                                                        verify=lambda p: _pass_cost(cal, None, FULL, p))
