@@ -67,6 +67,7 @@ PAYS_BELOW = 0.85  # default packing only where a packed product takes at most t
 _pays: dict[tuple, float] = {}  # _pays_key(module) -> speed_ratio, measured once per process
 _enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
 _available: bool | None = None
+_op = None  # torch.ops.mkldnn._linear_pointwise's overload, resolved on first use (`_linear_pointwise`)
 
 
 class PackingUnavailable(RuntimeError):
@@ -88,6 +89,15 @@ def available() -> bool:
             ok = False
         _available = ok
     return _available
+
+
+def _linear_pointwise():
+    """oneDNN's prepacked product, its overload resolved once (calling the packet resolves it on every call:
+    ~1.5 us of a ~50 us product)."""
+    global _op
+    if _op is None:
+        _op = torch.ops.mkldnn._linear_pointwise.default
+    return _op
 
 
 @contextlib.contextmanager
@@ -123,8 +133,8 @@ class PackedLinear(nn.Linear):
         return out
 
     def _weight_key(self):
-        w = self.weight
-        return w.data_ptr(), w._version, w.dtype, w.device
+        w = self.weight  # (the device is checked per call: `covers`)
+        return w.data_ptr(), w._version, w.dtype
 
     def packed_weight(self) -> torch.Tensor:
         key = self._weight_key()
@@ -135,16 +145,21 @@ class PackedLinear(nn.Linear):
         return self._packed
 
     def covers(self, x: torch.Tensor) -> bool:
+        """Whether the packed product applies to `x` (else `forward` falls back to `nn.functional.linear`).
+        Ordered cheapest first, attribute reads that cost ~0.1 us: `forward` runs ~200 times per pass of a
+        30-layer model, where every microsecond is 0.5% of a 135M model's one-row pass (measured: this form and
+        the op's resolved overload took 54 instead of 58 us per 576 x 1536 bf16 product, one Zen 4 core)."""
         w = self.weight
-        return (_enabled.get() and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype
-                and w.dtype in PACK_DTYPES and x.dim() >= 2 and x.shape[-1] == self.in_features
+        return (x.is_cpu and w.is_cpu and x.dtype == w.dtype and w.dtype in PACK_DTYPES and x.dim() >= 2
+                and x.shape[-1] == self.in_features and _enabled.get()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.covers(x):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = self.bias.detach() if self.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight(), bias, "none", [], "")
+        return _linear_pointwise()(x if x.is_contiguous() else x.contiguous(), self.packed_weight(), bias, "none",
+                                   [], "")
 
     def __getstate__(self):
         state = dict(self.__dict__)
