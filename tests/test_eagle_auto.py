@@ -277,7 +277,7 @@ def test_auto_with_the_drafter_sampling_matches_the_exact_distribution(lookup, s
 
 def test_a_switched_off_drafters_shadow_passes_stay_within_their_budget(monkeypatch):
     """Rows that decode plainly measure their drafter only while the shadow passes' predicted cost stays within
-    SHADOW_SHARE of what the rounds so far cost plainly: the first pass, over every row's whole prompt (the
+    SHADOW_SHARE / rows of what the rounds so far cost plainly: the first pass, over every row's whole prompt (the
     drafter's context, padded to the longest), waits until the rounds have paid for it, so a drafter that is
     never switched on costs plain decoding at most that share. Output is plain decoding's either way."""
     from hispec.decoding.auto import _AutoPolicy
@@ -299,8 +299,8 @@ def test_a_switched_off_drafters_shadow_passes_stay_within_their_budget(monkeypa
     out = model.generate(ids, max_new_tokens=48, strategy="auto")
     assert torch.equal(out.sequences, ref)
     p = policies[-1]
-    assert 0 < p.shadow_seconds <= 0.05 * p.rounds_seconds, (p.shadow_seconds, p.rounds_seconds)
-    assert first.shadow_seconds > 0.05 * first.rounds_seconds  # (without the budget it spends more)
+    assert 0 < p.shadow_seconds <= 0.05 / 3 * p.rounds_seconds, (p.shadow_seconds, p.rounds_seconds)
+    assert first.shadow_seconds > 0.05 / 3 * first.rounds_seconds  # (without the budget it spends more)
     assert 0 < len(calls) < unbudgeted, (len(calls), unbudgeted)
 
 

@@ -61,7 +61,7 @@ class _AutoPolicy:
     PRIOR = 2.0
     together = True  # `_batch_pays`: the rows return together (`generate`), or each when done (a server: False)
     SHADOW_EVERY = 3  # plain verifications per shadow measurement of a switched-off exit or drafter (lookups: each)
-    SHADOW_SHARE = 0.05  # a switched-off drafter's measurements may cost this share of the rounds' plain time
+    SHADOW_SHARE = 0.05  # a switched-off drafter's measurements may cost this share of the rounds' plain time / rows
     REDECIDE_PLAIN = 3  # a batch whose every row was chosen plain chooses again every this many rounds (`choose`)
     MARGIN = 0.05  # a plain row starts speculating only for a predicted gain over 5% (the latency model's error)
 
@@ -202,13 +202,19 @@ class _AutoPolicy:
     def _shadow_drafter(self, run: _Run, shadow, new, probs):
         """A switched-off EAGLE-3 drafter's proposal at that position (every SHADOW_EVERY-th time, within its
         budget): its context entries since it last ran are caught up on the way, work its next draft step would
-        otherwise do. The budget: the shadow passes' predicted cost stays within SHADOW_SHARE of what the rounds so
-        far cost plainly (`choose` counts them), so a drafter that never runs costs plain decoding at most that.
-        A pass over a row's whole prompt, the drafter's context before it first ran, is the dear one: it runs
-        over every row of the batch padded to the longest catch-up. Measured before the budget (session 26,
-        SmolLM2 bf16, the shipped drafter, batch 4, one thread, 16 Spec-Bench prompts x 64 tokens), `auto`
-        decoded 99% of its rows plainly (the drafter at batch 4 runs at 0.57x of `ar`) and its drafter shadows
-        alone took 11% of `ar`'s decode time (auto 0.82x of `ar`, 0.93x without them)."""
+        otherwise do. The budget: the shadow passes' predicted cost stays within SHADOW_SHARE / B of what the
+        rounds so far cost plainly (`choose` counts them; B: the batch's rows), so a drafter that never runs costs
+        plain decoding at most that. A pass over a row's whole prompt, the drafter's context before it first ran,
+        is the dear one: it runs over every row of the batch padded to the longest catch-up. Measured before the
+        budget (session 26, SmolLM2 bf16, the shipped drafter, batch 4, one thread, 16 Spec-Bench prompts x 64
+        tokens), `auto` decoded 99% of its rows plainly (the drafter at batch 4 runs at 0.57x of `ar`) and its
+        drafter shadows alone took 11% of `ar`'s decode time (auto 0.82x of `ar`, 0.93x without them). Why the
+        share falls with the rows: a batch's round speculates only when its rows' rates clear a bar that rises
+        with B (the latency model's per-row rule, SmolLM2 bf16: the drafter's chain pays from a rate of 0.15 alone
+        or in two rows, 0.25 in four, 0.4 in eight, 0.7 in sixteen), so a measurement is worth less there while
+        each still costs a pass; with 5% at every size, batch 4 with the shipped drafter decoded at 0.908x of
+        `ar` with its shadows and 0.956x without (session 35: all rows plain, 8 prompts x 64 tokens, interleaved,
+        one thread)."""
         self._shadow_tick += 1
         if self._shadow_tick % self.SHADOW_EVERY:
             return
@@ -217,7 +223,7 @@ class _AutoPolicy:
         entries = int(torch.where(rows, run.seq - run.dlen, 0).max())  # the pass's width: the longest catch-up
         c = self.cal
         cost = c.head_cost(self.latency.EAGLE, len(rows) * max(entries, 1)) + c.drafter_overhead + c.step_overhead
-        if self.shadow_seconds + cost > self.SHADOW_SHARE * self.rounds_seconds:
+        if self.shadow_seconds + cost > self.SHADOW_SHARE / len(rows) * self.rounds_seconds:
             return
         self.shadow_seconds += cost
         if self.kwidths and probs is None:  # a drafter tree (greedy): its top-k counts too
