@@ -229,6 +229,31 @@ def _cache_items(target, lengths, k=8, aux_layers=(1, 3, 5), seed=0):
     return items
 
 
+def test_packing_a_new_run_over_an_artifact_keeps_the_artifacts_reports(tmp_path, capsys):
+    """tools/pack_artifact.py RUN OUT where OUT is an artifact already: the new drafter replaces the old one, the run's
+    files replace theirs by name, and OUT's own reports (benchmark tables the README cites) stay, named on stderr."""
+    from conftest import load_tool
+
+    target = tiny_model("llama")
+    for name, seed in (("old", 0), ("new", 1)):
+        torch.manual_seed(seed)
+        save_drafter(_drafter(target, draft_vocab_size=30), tmp_path / name, base=base_identity(target))
+    (tmp_path / "old" / "bench_old.txt").write_text("old table")
+    (tmp_path / "old" / "metrics.json").write_text('{"old": 1}')
+    (tmp_path / "new" / "metrics.json").write_text('{"new": 1}')
+    pack = load_tool("pack_artifact")
+    assert pack.main([str(tmp_path / "old"), str(tmp_path / "art")]) == 0
+    assert pack.main([str(tmp_path / "new"), str(tmp_path / "art")]) == 0
+    err = capsys.readouterr().err
+    assert "kept 1 file(s)" in err and "bench_old.txt" in err
+    art = tmp_path / "art"
+    assert (art / "bench_old.txt").read_text() == "old table"
+    assert (art / "metrics.json").read_text() == '{"new": 1}'
+    new, _ = load_drafter(tmp_path / "new")
+    packed, _ = load_drafter(art)
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in new.state_dict().items())
+
+
 def test_collator_aligns_entry_j_with_token_j_plus_1_and_teacher_j_plus_1_plus_s():
     target = tiny_model("llama")
     items = _cache_items(target, [6, 4])

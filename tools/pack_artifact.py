@@ -4,8 +4,10 @@ An artifact is a `hispec-export` input folder whose plain export (`hispec-export
 OUT`, no other flags) reproduces the fastest measured configuration. So this writes into it what export would
 otherwise take from flags: the output vocabularies (as integer ids inside the heads file), the decoding defaults
 (gamma, window) and the heads' storage dtype (bf16 halves a shipped artifact). Everything else of the run folder
-(metrics.json, a README, plots) is copied; training checkpoints and caches are not. The write is atomic, so
-packing an artifact in place (RUN == OUT) keeps its other files and never leaves a half-written folder.
+(metrics.json, a README, plots) is copied; training checkpoints and caches are not. Packing a new run over an
+existing artifact keeps the artifact's own files the run does not bring (its benchmark reports and plots, which
+the README cites; a file of the same name comes from the run), and says which. The write is atomic, so packing in
+place (RUN == OUT) keeps its other files and never leaves a half-written folder.
 
 It reuses export's own loading (`build_model`: base + heads, checked against each other) and vocabulary choice
 (`apply_options` / `restrict_vocab`: the run's self-distilled answers, `--vocab-data` files, else token-id order), so the packed
@@ -38,6 +40,28 @@ from hispec.export import (HEADS_FILE, TRAIN_FILE, ExportError, apply_options, b
 from hispec.io import atomic_dir, dtype_name, parse_dtype, read_json, write_json  # noqa: E402
 
 
+def _copy_files(run_dir: Path, out_dir: Path, tmp: Path, skip: tuple) -> list:
+    """Into the new artifact `tmp`: the existing artifact's files the run does not have (when OUT is not the run),
+    then every file of the run; `skip` (the rewritten pair) from neither. -> the names kept from the old artifact."""
+    run_names = {f.name for f in run_dir.iterdir() if f.is_file()}
+    kept = []
+    if out_dir.is_dir() and out_dir != run_dir:
+        for f in sorted(out_dir.iterdir()):
+            if f.is_file() and f.name not in skip and f.name not in run_names:
+                shutil.copy2(f, tmp / f.name)
+                kept.append(f.name)
+    for f in run_dir.iterdir():  # keep README, metrics, plots; skip checkpoints, caches, the rewritten pair
+        if f.is_file() and f.name not in skip:
+            shutil.copy2(f, tmp / f.name)
+    return kept
+
+
+def _say_kept(kept: list, out_dir: Path) -> None:
+    if kept:
+        print(f"pack_artifact: kept {len(kept)} file(s) of the existing {out_dir} the run does not have: "
+              f"{', '.join(kept)}", file=sys.stderr)
+
+
 def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_size=None, vocab_data=(),
          gamma=None, window=None, heads_dtype=None) -> dict:
     """Write the artifact; returns its hispec section (exits, vocabularies, decoding)."""
@@ -57,14 +81,13 @@ def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_siz
     state = model.heads_state_dict()
     with atomic_dir(out_dir, overwrite=True) as tmp:
         tmp = Path(tmp)
-        for f in run_dir.iterdir():  # keep README, metrics, plots; skip checkpoints, caches, the rewritten pair
-            if f.is_file() and f.name not in (HEADS_FILE, TRAIN_FILE):
-                shutil.copy2(f, tmp / f.name)
+        kept = _copy_files(run_dir, out_dir, tmp, (HEADS_FILE, TRAIN_FILE))
         save_file(state, str(tmp / HEADS_FILE), metadata={"format": "pt", "hispec": "1"})
         write_json(tmp / TRAIN_FILE, train)
         tmp.chmod(0o755)  # a temporary folder is private; a shipped one is not
         for f in tmp.iterdir():
             f.chmod(0o644)
+    _say_kept(kept, out_dir)
     return hispec
 
 
@@ -81,13 +104,12 @@ def pack_drafter(run_dir, out_dir, *, storage: str = "float", dtype: str | None 
     extra = {k: v for k, v in meta.items() if k not in ("format", "version", "config", "base", "storage")}
     with atomic_dir(out_dir, overwrite=True) as tmp:
         tmp = Path(tmp)
-        for f in run_dir.iterdir():
-            if f.is_file() and f.name not in (DRAFTER_FILE, DRAFTER_CONFIG):
-                shutil.copy2(f, tmp / f.name)
+        kept = _copy_files(run_dir, out_dir, tmp, (DRAFTER_FILE, DRAFTER_CONFIG))
         save_drafter(drafter, tmp, base=meta.get("base", {}), extra=extra, storage=storage)
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
+    _say_kept(kept, out_dir)
     return read_json(out_dir / DRAFTER_CONFIG)
 
 
