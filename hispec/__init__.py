@@ -8,7 +8,7 @@ Importing hispec has no side effects and loads nothing heavy beyond torch and tr
 
 from .layers import DecoderAdapter, UnsupportedModelError
 from .model import CheckpointError, EarlyExitModel, HispecConfig, load, load_base_model, load_tokenizer
-from .ngram import NgramConfig
+from .drafters.ngram import NgramConfig
 
 __version__ = "0.1.0"
 

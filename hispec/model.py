@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import decoding, packed
-from .eagle3 import Eagle3Drafter, is_drafter_run, load_drafter
+from .drafters.eagle3 import Eagle3Drafter, is_drafter_run, load_drafter
 from .gguf import load_gguf_model, load_gguf_tokenizer
-from .heads import CONTEXT_DEFAULTS, EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
+from .drafters.heads import CONTEXT_DEFAULTS, EXTRA_CACHE_INDEX, HEAD_TYPES, ExitHead
 from .io import atomic_dir, parse_dtype, read_json, resolve_file, write_json
 from .layers import DecoderAdapter
 from .sampling import VERIFICATIONS, check_verification
@@ -94,7 +94,7 @@ class HispecConfig:
     ngram: dict = field(default_factory=dict)  # NgramConfig fields for the n-gram level (empty: its defaults)
     verification: str = "token"  # sampling's acceptance rule at every level: "token" or "hsd" (hispec.sampling)
     calibration: dict | None = None  # hispec.latency.Calibration.to_dict(), or None
-    # `context` heads: their settings (hispec.heads.CONTEXT_DEFAULTS keys) and, per exit, the layers they read
+    # `context` heads: their settings (hispec.drafters.heads.CONTEXT_DEFAULTS keys) and, per exit, the layers they read
     context: dict | None = None
     context_layers: dict | None = None  # {"draft": [4, 30], "verify": [8, 30]}
 
@@ -290,7 +290,7 @@ class EarlyExitModel(nn.Module):
                     )
                 self.heads[name].set_vocab(torch.arange(size))  # placeholder until the heads file is loaded
         self.heads.to(device=self.adapter.device, dtype=self.adapter.dtype)
-        self.drafter = None  # an EAGLE-3 drafter (hispec.eagle3), the `eagle3` level; `attach_drafter`
+        self.drafter = None  # an EAGLE-3 drafter (hispec.drafters.eagle3), the `eagle3` level; `attach_drafter`
         for p in self.base.parameters():
             p.requires_grad_(False)
 
@@ -375,7 +375,7 @@ class EarlyExitModel(nn.Module):
 
         With `vocab` given: logits over those ids only, `[.., len(vocab)]`. Otherwise a head with a reduced
         vocabulary projects onto its ids only and returns full-size logits with -inf elsewhere. A `layer` head
-        needs `run_layer`, a `context` head `context` (a `hispec.heads.ContextInputs`; see hispec.heads).
+        needs `run_layer`, a `context` head `context` (a `hispec.drafters.heads.ContextInputs`; see hispec.drafters.heads).
         """
         return self.project_exit(exit_name, self.heads[exit_name](hidden, run_layer, context), vocab)
 
@@ -412,7 +412,7 @@ class EarlyExitModel(nn.Module):
     ) -> EarlyExitModel:
         """Wrap a loaded model (or anything `load_base_model` accepts) with untrained heads.
 
-        `context` heads: `context` overrides `hispec.heads.CONTEXT_DEFAULTS` (window, heads, head_dim, mlp_mult);
+        `context` heads: `context` overrides `hispec.drafters.heads.CONTEXT_DEFAULTS` (window, heads, head_dim, mlp_mult);
         `context_mid=True` lets the draft head also read the verifier exit's states of positions it verified.
 
         `draft_vocab_size` / `verify_vocab_size` restrict a head to that many tokens chosen by token id order

@@ -16,7 +16,7 @@ its inductor emits for a frozen CPU model (`torch._inductor.config.freezing`); `
 decoder whose passes change shape every round (dynamic T, growing cache, tree masks) and costs minutes of
 compilation on small machines, `torch.utils.mkldnn.to_mkldnn` converts activations to and from the opaque layout on
 every call (measured 1.5-2x slower than this at 4-16 positions), and intel-extension-for-pytorch's `ipex.optimize`
-is not a dependency. The ops are private to torch, so `available()` probes them once and `pack` refuses clearly
+is not a dependency. The ops are private to torch, so `available(dtype)` probes them once and `pack` refuses clearly
 where they are missing; every `PackedLinear` falls back to `nn.functional.linear` for inputs it does not cover
 (another device or dtype, autograd on the weight, `stock()`).
 
@@ -66,7 +66,8 @@ MEMORY_SHARE = 0.7  # default packing only when the copies fit in this share of 
 PAYS_BELOW = 0.85  # default packing only where a packed product takes at most this share of the stock one's time
 _pays: dict[tuple, float] = {}  # _pays_key(module) -> speed_ratio, measured once per process
 _enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
-_available: bool | None = None
+_available: dict[torch.dtype, bool] = {}  # dtype -> whether this CPU packs it (`available`)
+_packable: frozenset = frozenset()  # the dtypes probed and found packable
 _op = None  # torch.ops.mkldnn._linear_pointwise's overload, resolved on first use (`_linear_pointwise`)
 
 
@@ -74,21 +75,32 @@ class PackingUnavailable(RuntimeError):
     """This torch build (or device) has no usable oneDNN prepacked linear."""
 
 
-def available() -> bool:
-    """Whether this torch build can run prepacked oneDNN linears on CPU (probed once, on a tiny product)."""
-    global _available
-    if _available is None:
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build can run prepacked oneDNN linears on this CPU in `dtype` (probed once per dtype, on a
+    tiny product). oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU packs fp32 alone.
+    """
+    global _packable
+    if dtype not in _available:
         try:
-            ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            ok = (dtype in PACK_DTYPES and torch.backends.mkldnn.is_available()
+                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
             if ok:
-                w, x = torch.randn(8, 16), torch.randn(3, 16)
+                w, x = torch.randn(8, 16).to(dtype), torch.randn(3, 16).to(dtype)
                 y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT),
                                                        None, "none", [], "")
-                ok = bool(torch.allclose(y, x @ w.t(), atol=1e-4))
+                ok = bool(torch.allclose(y.float(), (x @ w.t()).float(), atol=1e-4 if dtype == torch.float32 else 0.1))
         except (RuntimeError, AttributeError, NotImplementedError):
             ok = False
-        _available = ok
-    return _available
+        _available[dtype] = ok
+        _packable = frozenset(d for d, a in _available.items() if a)
+    return _available[dtype]
+
+
+def packable_dtypes() -> frozenset:
+    """The dtypes of `PACK_DTYPES` this CPU packs (`available`)."""
+    for dtype in PACK_DTYPES:
+        available(dtype)
+    return _packable
 
 
 def _linear_pointwise():
@@ -123,6 +135,7 @@ class PackedLinear(nn.Linear):
         self.bias = linear.bias
         self._packed = None
         self._key = None
+        available(linear.weight.dtype)  # probe once, so `covers` knows whether this CPU packs the dtype
 
     @classmethod
     def wrap(cls, linear: nn.Linear) -> PackedLinear:
@@ -150,7 +163,7 @@ class PackedLinear(nn.Linear):
         30-layer model, where every microsecond is 0.5% of a 135M model's one-row pass (measured: this form and
         the op's resolved overload took 54 instead of 58 us per 576 x 1536 bf16 product, one Zen 4 core)."""
         w = self.weight
-        return (x.is_cpu and w.is_cpu and x.dtype == w.dtype and w.dtype in PACK_DTYPES and x.dim() >= 2
+        return (x.is_cpu and w.is_cpu and x.dtype == w.dtype and w.dtype in _packable and x.dim() >= 2
                 and x.shape[-1] == self.in_features and _enabled.get()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
 
@@ -173,7 +186,8 @@ class PackedLinear(nn.Linear):
 def pack(module: nn.Module) -> int:
     """Replace every `nn.Linear` under `module` (in place) by a `PackedLinear` sharing its Parameters; returns how
     many were replaced (already packed ones are left as they are). Raises `PackingUnavailable` when this torch
-    cannot (no oneDNN), or when the module is not on the CPU or not in fp32 / bf16."""
+    cannot (no oneDNN), when the module is not on the CPU, or when this CPU packs none of its linears' dtypes (fp32
+    and bf16 are the candidates; bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)."""
     if not available():
         raise PackingUnavailable("this torch build has no usable oneDNN prepacked linear "
                                  "(torch.ops.mkldnn._linear_pointwise); decode unpacked (--no-pack / pack=False)")
@@ -181,10 +195,18 @@ def pack(module: nn.Module) -> int:
     devices = {p.device.type for p in params}
     if devices - {"cpu"}:
         raise PackingUnavailable(f"prepacked linears are a CPU kernel; this model is on {sorted(devices)}")
+    linears = [m for m in module.modules() if type(m) is nn.Linear]
+    dtypes = {m.weight.dtype for m in linears}
+    if linears and not dtypes & packable_dtypes():
+        raise PackingUnavailable(
+            f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no oneDNN prepacked linear for "
+            f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))} (it packs "
+            f"{', '.join(sorted(str(d).removeprefix('torch.') for d in packable_dtypes())) or 'nothing'}); "
+            "decode unpacked (--no-pack / pack=False) or in float32")
     n = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype in PACK_DTYPES:
+            if type(child) is nn.Linear and child.weight.dtype in _packable:
                 setattr(parent, name, PackedLinear.wrap(child))
                 n += 1
     return n
@@ -215,7 +237,7 @@ def for_generation(module: nn.Module):
             if free is None or packed_bytes(module) <= MEMORY_SHARE * free:
                 for parent in list(module.modules()):
                     for name, child in list(parent.named_children()):
-                        if type(child) is nn.Linear and child.weight.dtype in PACK_DTYPES:
+                        if type(child) is nn.Linear and child.weight.dtype in packable_dtypes():
                             swapped.append((parent, name, child))
                             setattr(parent, name, PackedLinear.wrap(child))
                 if _ratio_for(module) > PAYS_BELOW:  # no gain on this CPU: the stock kernels again
@@ -321,18 +343,18 @@ def measured_ratio(module: nn.Module) -> float | None:
 
 def wanted(pack_arg, device, dtype) -> bool:
     """Resolve a `pack=` argument: True / False as given; None ("auto") packs on CPU in fp32 / bf16 when this torch
-    can (whether it then pays on this CPU is `pack_if_it_pays`'s measurement)."""
+    and CPU can (`available(dtype)`; whether it then pays on this CPU is `pack_if_it_pays`'s measurement)."""
     if pack_arg is not None:
         return bool(pack_arg)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return dev.type == "cpu" and (dtype is None or dtype in PACK_DTYPES) and available()
+    return dev.type == "cpu" and available(torch.float32 if dtype is None else dtype)
 
 
 def packed_bytes(module: nn.Module) -> int:
     """Bytes the packed copies of `module`'s packable linears take (about their weights' size; a weight shared by
     two linears, e.g. tied embeddings, is copied for each)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in module.modules()
-               if isinstance(m, nn.Linear) and m.weight.dtype in PACK_DTYPES)
+               if isinstance(m, nn.Linear) and m.weight.dtype in packable_dtypes())
 
 
 def available_memory() -> int | None:

@@ -8,7 +8,7 @@ greedy answers and their cache (`answers`), the frozen pass and the teacher's to
 (`hispec.vocab.select_vocab`).
 
 - `run_probe(adapter, features, config)`: at each probed layer a head of each type: `shared` is the model's own
-  final norm + lm_head, untrained; other `hispec.heads.ExitHead` types are trained by `fit_head` (AdamW,
+  final norm + lm_head, untrained; other `hispec.drafters.heads.ExitHead` types are trained by `fit_head` (AdamW,
   `batch_tokens` positions a step, warm-up over 5% of the steps then cosine decay to 10% of `lr`). Held out:
   top-1 / top-5 agreement with the final layer's argmax, the bucketed KL, E[tokens per full pass] of greedy
   self-speculation with gamma drafts measured on each answer's agree/disagree sequence (and for i.i.d.
@@ -40,8 +40,8 @@ from .distill.metrics import (
     tokens_per_pass,
 )
 from .distill.training import exit_logits, fit_head
-from .heads import STATELESS_HEAD_TYPES as HEAD_TYPES
-from .heads import ExitHead
+from .drafters.heads import STATELESS_HEAD_TYPES as HEAD_TYPES
+from .drafters.heads import ExitHead
 from .vocab import coverage, select_vocab
 
 DEFAULT_HEAD_TYPES = ("shared", "norm", "linear")

@@ -507,7 +507,7 @@ def test_a_tree_row_keeps_its_own_top_k_counts_and_stays_on_the_tree_its_second_
     assert plan.widths is not None and plan.widths[0] >= 2, plan
     key = "L2>full"
     scaled = latency.tree_time_per_token(list(plan.widths), cal, "L2", {key: latency.scaled_topk(cal.topk[key], 0.0)})
-    assert scaled > cal.plain_seconds_per_token()  # the scaled estimate alone predicts plain decoding faster
+    assert scaled > latency.plain_seconds_per_token(cal)  # the scaled estimate alone predicts plain decoding faster
     orig = model.exit_logits
 
     def second(name, hidden, *a, **kw):  # the model's token (the oracle exit's top-1) becomes the exit's 2nd choice

@@ -11,7 +11,7 @@ from tiny import FAMILIES, tiny_model
 
 import hispec
 from hispec import decoding
-from hispec.heads import ContextInputs
+from hispec.drafters.heads import ContextInputs
 from hispec.layers import positions_from_mask
 from hispec.model import CheckpointError
 

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (hispec.eagle3) and its training loss (hispec.distill.drafter), on tiny random targets."""
+"""The EAGLE-3 drafter (hispec.drafters.eagle3) and its training loss (hispec.distill.drafter), on tiny random targets."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hispec.distill.drafter import (
     GATES, DrafterCollator, DrafterForTraining, draft_vocab_from_cache, summarize, ttt_loss,
 )
-from hispec.eagle3 import (
+from hispec.drafters.eagle3 import (
     Eagle3Config, Eagle3Drafter, default_aux_layers, is_drafter_run, load_drafter, save_drafter,
 )
 from hispec.model import base_identity

@@ -15,8 +15,8 @@ from test_eagle_decoding import _trained_drafter
 from tiny import FAMILIES, tiny_model
 
 from hispec import NgramConfig, decoding, latency
-from hispec.eagle3 import Eagle3Config, Eagle3Drafter
-from hispec.latency import EAGLE, FULL, LOOKUP, NGRAM, Calibration
+from hispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from hispec.latency import EAGLE, FULL, LOOKUP, NGRAM, Calibration, plain_seconds_per_token
 
 
 def _with_drafter(family="llama", steps=120, seed=0):
@@ -170,7 +170,7 @@ def test_the_drafters_decoder_overheads_are_fitted_from_real_runs():
 def test_auto_plans_the_drafter_where_it_pays_and_not_where_it_does_not():
     good = latency.auto_plan(_cal(2e-4, 0.8))
     assert good.levels[0].removeprefix(LOOKUP) == EAGLE and good.levels[-1] == FULL and len(good.levels) == 2
-    assert good.seconds_per_token < _cal(2e-4, 0.8).plain_seconds_per_token()
+    assert good.seconds_per_token < plain_seconds_per_token(_cal(2e-4, 0.8))
     bad = latency.auto_plan(_cal(5e-3, 0.1))
     assert EAGLE not in {lv.removeprefix(LOOKUP) for lv in bad.levels}
     for choice in (latency.best_hierarchy(_cal(2e-4, 0.8)), latency.best_hierarchy(_cal(2e-4, 0.8, **{

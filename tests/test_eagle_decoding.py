@@ -11,7 +11,7 @@ from tiny import FAMILIES, tiny_model
 from hispec import sampling
 from hispec.decoding import rounds
 from hispec.distill.drafter import DrafterCollator, DrafterForTraining, sequence_items, ttt_loss
-from hispec.eagle3 import Eagle3Config, Eagle3Drafter
+from hispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 EAGLE = ("eagle", "eagle-lookup")
 

@@ -12,7 +12,7 @@ from test_tree import _with_replacement_rule
 from tiny import FAMILIES, tiny_model
 
 from hispec import sampling
-from hispec.eagle3 import Eagle3Config, Eagle3Drafter
+from hispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
 
 def _fitted(family="llama", steps=120, **kw):

@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import hispec
-from hispec import export as ex
+from hispec.export import checkpoint as ex
+from hispec.export.model_card import origin_hub_id
 from hispec.cli.export import main
 from hispec.model import FORMAT_VERSION, HEADS_FILE, CheckpointError, EarlyExitModel
 from conftest import load_tool
@@ -211,7 +212,7 @@ def test_card_base_model_is_the_hub_id_a_converted_demo_folder_records(trained, 
     assert main([str(run), "--output-dir", str(out)]) == 0
     header = yaml.safe_load((out / "README.md").read_text().split("---\n")[1])
     assert header["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert ex.origin_hub_id(base_dir) is None
+    assert origin_hub_id(base_dir) is None
 
 
 def test_large_base_is_sharded_with_an_index(train_dir, tmp_path, base_dir):

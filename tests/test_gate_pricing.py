@@ -13,7 +13,7 @@ import torch
 from test_eagle_auto import _cal, _prompts, _with_drafter
 
 from hispec import NgramConfig, latency
-from hispec.latency import EAGLE, FULL, LOOKUP, Calibration, CalibrationError
+from hispec.latency import EAGLE, FULL, LOOKUP, Calibration, CalibrationError, plain_seconds_per_token
 
 
 def _gated_cal(a_full=0.5, a_gated=0.75, q=0.6, steep=True) -> Calibration:
@@ -130,7 +130,7 @@ def test_calibrate_measures_the_gates_along_the_decoders_own_rounds():
         model.drafter.lm_head.weight.mul_(20)  # confident enough that gates 0.1-0.6 cut its chains differently
     prompts = _prompts()
     cal = latency.calibrate(model, prompts, max_new_tokens=12, repeats=1, max_gamma=8, ngram=NgramConfig())
-    assert set(cal.drafter_gates) == {latency.model.gate_key(g) for g in latency.measure.DRAFT_GATES}
+    assert set(cal.drafter_gates) == {latency.levels.gate_key(g) for g in latency.measure.DRAFT_GATES}
     passes = [cal.drafter_gates[k]["pass"] for k in sorted(cal.drafter_gates, key=float)]
     assert all(0.0 <= p <= 1.0 for p in passes) and passes == sorted(passes, reverse=True)
     assert sum(0.2 < p < 0.95 for p in passes) >= 2
@@ -163,7 +163,7 @@ def test_the_bench_predicts_gated_strategies_with_their_gate():
     # which `generate` drafts the fixed strategies' chains with, not the checkpoint's exit gamma: priced so)
     strategies = ("ar", "eagle", "eagle-gate:0.3", "eagle-lookup-gate:0.5", "eagle-gate:0.35", "auto")
     out, fns = predict_speedups(model, BenchConfig(strategies=strategies, max_new_tokens=8))
-    plain = cal.plain_seconds_per_token()
+    plain = plain_seconds_per_token(cal)
     for s, levels, c in (("eagle", [EAGLE, FULL], cal.with_gate(0)), ("eagle-gate:0.3", [EAGLE, FULL],
                          cal.with_gate(0.3)), ("eagle-lookup-gate:0.5", [LOOKUP + EAGLE, FULL], cal.with_gate(0.5))):
         assert out[s] == pytest.approx(plain / latency.time_per_token(levels, [g], c)), s

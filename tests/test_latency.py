@@ -244,12 +244,12 @@ def test_a_batch_prices_every_row_at_its_share_of_the_batch_pass():
         assert b4.head_cost("L2", T) == pytest.approx(0.1 / 4)
     assert b4.step_overhead == pytest.approx(0.1) and b4.ngram_cost == pytest.approx(0.05)
     # plain decoding per row: the batch's one-position step over 4 rows, divided among them
-    assert b4.plain_seconds_per_token() == pytest.approx((30 * 1.0 + 3.0 + 0.4) / 4)
+    assert lt.plain_seconds_per_token(b4) == pytest.approx((30 * 1.0 + 3.0 + 0.4) / 4)
     assert cal.costs["layer"] is flat_then_linear and cal.layer_cost(2) == 1.0  # the original is untouched
     alone, full = lt.best_hierarchy(cal), lt.best_hierarchy(cal.at_batch(32))
     assert alone.levels != ("full",) and alone.speedup_vs_plain > 1.3
     assert full.levels == ("full",) and full.speedup_vs_plain == pytest.approx(1.0)
-    assert lt.auto_plan(cal.at_batch(32)).seconds_per_token >= cal.at_batch(32).plain_seconds_per_token()
+    assert lt.auto_plan(cal.at_batch(32)).seconds_per_token >= lt.plain_seconds_per_token(cal.at_batch(32))
     speedups = [lt.best_hierarchy(cal.at_batch(B)).speedup_vs_plain for B in (1, 2, 4, 8, 16)]
     assert speedups == sorted(speedups, reverse=True)  # the fuller the batch, the less speculation buys
 
@@ -309,7 +309,7 @@ def test_best_gammas_is_memoised_on_rounded_acceptances():
 
 # ---------------------------------------------------------------------------------------------- calibration
 def test_ngram_rounds_follow_the_decoder_and_count_a_copied_span_once():
-    from hispec.ngram import NgramConfig
+    from hispec.drafters.ngram import NgramConfig
 
     prompt, answer = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 9, 9]
     tokens = torch.tensor(prompt + answer)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 import hispec
 import hispec.model
 from hispec import CheckpointError, EarlyExitModel, packed
-from hispec.heads import HEAD_TYPES
+from hispec.drafters.heads import HEAD_TYPES
 from hispec.model import HEADS_FILE, default_exits
 from tiny import FAMILIES, tiny_config, tiny_model
 

@@ -39,7 +39,11 @@ def _hf(base, ids, am, n):
         return base.generate(input_ids=ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not packed.available(torch.bfloat16), reason="this CPU packs no bf16 linears (AVX2 only: no AVX512-BW/VL/DQ)"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_packed_linear_computes_the_linear_product(dtype, bias):
     torch.manual_seed(0)
@@ -106,6 +110,20 @@ def test_pack_refuses_a_model_off_the_cpu():
     assert not packed.wanted(None, "meta", torch.float32) and not packed.wanted(None, "cpu", torch.float16)
     assert packed.wanted(None, "cpu", torch.float32) and packed.wanted(True, "meta", None)
     assert not packed.wanted(False, "cpu", torch.float32)
+
+
+def test_a_dtype_this_cpu_cannot_pack_is_left_stock_by_default_and_refused_when_asked(monkeypatch):
+    monkeypatch.setattr(packed, "_available", {torch.float32: True, torch.bfloat16: False})
+    monkeypatch.setattr(packed, "_packable", frozenset({torch.float32}))
+    model = hispec.EarlyExitModel.from_base(tiny_model("llama", dtype=torch.bfloat16), 1, 2, "linear")
+    assert not packed.wanted(None, "cpu", torch.bfloat16) and packed.wanted(None, "cpu", torch.float32)
+    packed.apply(model, None)  # the default: stock kernels, no error
+    assert packed.kind(model.base) == packed.STOCK
+    with pytest.raises(packed.PackingUnavailable, match="no oneDNN prepacked linear for bfloat16"):
+        packed.pack(model.base)
+    p = packed.PackedLinear.wrap(torch.nn.Linear(8, 8).to(torch.bfloat16))
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    assert not p.covers(x) and torch.equal(p(x), torch.nn.functional.linear(x, p.weight, p.bias))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -188,11 +206,12 @@ def test_the_measured_ratio_is_kept_on_disk_so_only_the_first_process_measures(t
     assert list(json.loads(memo.read_text()).values()) == [0.97]
     monkeypatch.setattr(packed, "_pays", {})  # a new process
     assert packed.kind(hispec.load(folder).base) == packed.STOCK and calls == [1]
-    assert packed.kind(hispec.load(folder, dtype="bf16").base) == packed.STOCK and calls == [1, 1]  # another key
+    bf16 = [1] if packed.available(torch.bfloat16) else []  # another key (measured only where bf16 packs at all)
+    assert packed.kind(hispec.load(folder, dtype="bf16").base) == packed.STOCK and calls == [1, *bf16]
     memo.write_text("{not json")  # damaged: measured again and rewritten
     monkeypatch.setattr(packed, "_pays", {})
     hispec.load(folder)
-    assert len(calls) == 3 and len(json.loads(memo.read_text())) == 1
+    assert len(calls) == 2 + len(bf16) and len(json.loads(memo.read_text())) == 1
 
 
 def test_the_speed_ratio_measurement_times_the_model_both_ways_and_unpack_restores_it():

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hispec.cli.export import main as export_main
-from hispec.eagle3 import Eagle3Config, Eagle3Drafter, save_drafter
+from hispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, save_drafter
 from hispec.model import base_identity
-from hispec.speculators_export import SpeculatorsExportError, export_speculators
+from hispec.export.speculators import SpeculatorsExportError, export_speculators
 from tiny import tiny_model
 
 
@@ -143,7 +143,7 @@ def test_the_shipped_smollm2_drafter_loads_in_speculators_and_matches_hispecs(de
 
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
-    from hispec.eagle3 import load_drafter
+    from hispec.drafters.eagle3 import load_drafter
     from hispec.model import load_base_model
 
     art = Path(__file__).resolve().parents[1] / "recipes" / "artifacts" / "smollm2-135m"

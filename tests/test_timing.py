@@ -16,7 +16,7 @@ import hispec
 from hispec import decoding, timing
 from hispec import latency as lt
 from hispec.decoding import GenerationStats
-from hispec.ngram import NgramConfig
+from hispec.drafters.ngram import NgramConfig
 
 
 def _model():

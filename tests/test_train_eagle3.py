@@ -21,8 +21,8 @@ def _drafter(path):
 
 def test_drafter_trains_from_the_cache_of_its_aux_layers_and_exports(env, pairs_file, tmp_path, capsys):
     from hispec.distill.features import open_feature_cache
-    from hispec.eagle3 import load_drafter
-    from hispec.speculators_export import export_speculators
+    from hispec.drafters.eagle3 import load_drafter
+    from hispec.export.speculators import export_speculators
 
     cache, out = tmp_path / "cache", tmp_path / "run"
     assert _run(_cache_argv(env, out, cache, pairs_file, *EAGLE, "--max_steps", "16", "--eval_steps", "8",
@@ -105,7 +105,7 @@ def test_drafter_trains_on_from_an_earlier_drafter(env, pairs_file, tmp_path, ca
     """`--eagle3_init_from RUN`: a new run starts from that drafter (its weights and draft vocabulary, so its
     first evaluation is the earlier run's final one) and trains on; a drafter of another shape is refused before
     training, naming the difference."""
-    from hispec.eagle3 import load_drafter
+    from hispec.drafters.eagle3 import load_drafter
 
     cache, first, more = tmp_path / "cache", tmp_path / "first", tmp_path / "more"
     common = (*EAGLE, "--eval_steps", "4", "--eagle3_intermediate_size", "24")

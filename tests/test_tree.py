@@ -1,4 +1,4 @@
-"""Tree drafts (hispec/tree.py): greedy output is transformers' own for every family and tree shape, sampling keeps
+"""Tree drafts (hispec/decoding/tree.py): greedy output is transformers' own for every family and tree shape, sampling keeps
 the distribution (chi-square against exact enumeration, with a power check), bad trees are refused before work."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from test_decoding import (_chi2_pvalue, _exact_joint, _hf_greedy, _oracle, _rag
 from test_layer_head import _layer_model
 from tiny import FAMILIES, tiny_model
 
-from hispec import dynamic_tree, sampling, tree as tree_mod
+from hispec import sampling
+from hispec.decoding import dynamic_tree, tree as tree_mod
 from hispec.cache import KVCache
-from hispec.ngram import NgramConfig
+from hispec.drafters.ngram import NgramConfig
 
 SHAPES = ([1], [3], [1, 1, 1], [3, 2, 1], [4, 2, 2, 1], "2x2x2x2")
 DYNAMIC = ("dyn-3-2-2-5", "dyn-4-3-2-8", "dyn-1-3-1-2", "dyn-5-4-4-16")

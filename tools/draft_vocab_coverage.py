@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     from hispec.distill.drafter import teacher_top1_ranking
     from hispec.distill.features import CachedSequences, FeatureCacheError
-    from hispec.eagle3 import load_drafter
+    from hispec.drafters.eagle3 import load_drafter
     from hispec.model import load_base_model, load_tokenizer
     from hispec.prompts import load_prompts
 

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     import torch
 
     from hispec.distill.drafter import sequence_items, summarize
-    from hispec.eagle3 import load_drafter
+    from hispec.drafters.eagle3 import load_drafter
     from hispec.layers import DecoderAdapter
     from hispec.model import load_base_model, load_tokenizer
     from hispec.prompts import load_prompts

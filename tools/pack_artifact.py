@@ -92,11 +92,11 @@ def pack(run_dir, out_dir, *, base=None, draft_vocab_size=None, verify_vocab_siz
 
 
 def pack_drafter(run_dir, out_dir, *, storage: str = "float", dtype: str | None = None) -> dict:
-    """An EAGLE-3 drafter run (`hispec_drafter.*`, `hispec.eagle3`) as an artifact: the drafter rewritten with
-    `storage` ("int8": per-row int8 weights, `hispec.eagle3.quantize_int8`, a quarter of fp32 and loaded back as
+    """An EAGLE-3 drafter run (`hispec_drafter.*`, `hispec.drafters.eagle3`) as an artifact: the drafter rewritten with
+    `storage` ("int8": per-row int8 weights, `hispec.drafters.eagle3.quantize_int8`, a quarter of fp32 and loaded back as
     floats) and, for float storage, in `dtype` ("bf16": half of fp32; None: as the run stored it), every other file
     of the run folder copied (not checkpoints); atomic like `pack`. -> its json."""
-    from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE, load_drafter, save_drafter
+    from hispec.drafters.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE, load_drafter, save_drafter
     from hispec.io import parse_dtype
 
     run_dir, out_dir = Path(run_dir).absolute(), Path(out_dir).absolute()
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafter-dtype", choices=["fp32", "bf16"],
                    help="an EAGLE-3 drafter run, float storage: the weights' dtype (default: as the run stored them)")
     args = p.parse_args(argv)
-    from hispec.eagle3 import is_drafter_run
+    from hispec.drafters.eagle3 import is_drafter_run
 
     if is_drafter_run(args.run):
         heads_only = {"--base": args.base, "--draft-vocab-size": args.draft_vocab_size, "--gamma": args.gamma,

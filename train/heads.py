@@ -27,7 +27,7 @@ those instead of running the backbone and learn the "top-k + bucket" KL (`topk_d
 so heads train many epochs cheaply (a `layer` head gets its exit's whole sequences, rebuilt from the cache's
 offsets, since it attends over earlier positions; `feature_cache_backbone_dtype` / `loss_dtype: bf16` make the
 cache and the steps ~2x cheaper on CPUs with native bf16, and far slower on those without: a warning says so).
-`context` heads (hispec/heads.py) also read, for a window of earlier positions, the deepest state decoding holds:
+`context` heads (hispec/drafters/heads.py) also read, for a window of earlier positions, the deepest state decoding holds:
 the final layer's raw residual for positions the full model verified, else (with `context_mid`) the verifier
 exit's, else their own exit's. They get whole sequences of every layer they read (on the fly, or rebuilt from the
 cache, which then stores `hidden.<num_layers>` too: `feature_cache_final_states` builds such a cache for linear runs

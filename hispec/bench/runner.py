@@ -22,7 +22,7 @@ from .. import latency, packed, timing
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
 from ..decoding import _auto_plan, _auto_trees, build_levels, ngram_config, parse_hierarchy
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
-from ..tree import TreeSpec, parse_tree
+from ..decoding.tree import TreeSpec, parse_tree
 from .env import hardware_info, model_info
 
 
@@ -63,7 +63,7 @@ def with_both_verifications(strategies) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-TREE_PREFIX = "tree:"  # strategy "tree:4x2x1": self-spec drafting that static tree (hispec.tree)
+TREE_PREFIX = "tree:"  # strategy "tree:4x2x1": self-spec drafting that static tree (hispec.decoding.tree)
 LOOKUP_TREE_PREFIX = "lookup-tree:"  # "lookup-tree:4": self-spec-lookup, the exit drafting that tree
 # prefix -> the strategy that drafts the tree ("eagle-tree:4x2": the EAGLE-3 drafter's tree, hispec.decoding.eagle_tree)
 TREE_STRATEGIES = {TREE_PREFIX: "self-spec", LOOKUP_TREE_PREFIX: "self-spec-lookup", "eagle-tree:": "eagle",

@@ -237,7 +237,7 @@ def _sweep(args, model, from_base: bool, prompts, config, progress: bool) -> int
 def _calibrate(args, model, prompts, progress: bool) -> None:
     """Calibrate the latency model on prompts the benchmark does not run (when the file has enough), store it."""
     from .. import latency
-    from ..ngram import NgramConfig
+    from ..drafters.ngram import NgramConfig
     from ..prompts import load_prompts, spread_over_categories
 
     if not Path(args.model, "config.json").is_file():
@@ -272,7 +272,7 @@ def _ngram(args) -> dict | None:
                            ("max_len", args.ngram_tokens)) if v is not None}
     if not d:
         return None
-    from ..ngram import NgramConfig
+    from ..drafters.ngram import NgramConfig
 
     NgramConfig(**d)  # validate before any work
     return d

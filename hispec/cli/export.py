@@ -6,7 +6,7 @@
     hispec-export runs/smollm2-eagle3 --format speculators --output-dir exports/smollm2-eagle3
 
 `--format speculators` writes an EAGLE-3 drafter run (train/heads.py --head_type eagle3) as a `speculators` folder
-that vLLM and SGLang serve as it is (hispec.speculators_export; needs `pip install 'hispec[speculators]'`).
+that vLLM and SGLang serve as it is (hispec.export.speculators; needs `pip install 'hispec[speculators]'`).
 
 The folder is written atomically (temporary sibling, one rename); an existing one is refused unless --overwrite.
 With --calibrate the finished checkpoint is loaded and the latency model calibrated on this machine (hispec.latency:
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if used:
             parser.error(f"{', '.join(used)} only make sense with --push-to-hub REPO_ID")
 
-    from .. import export as ex  # heavy imports (torch, transformers) only once arguments are valid
-    from ..eagle3 import is_drafter_run
+    from ..export import checkpoint as ex  # heavy imports (torch, transformers) only once arguments are valid
+    from ..drafters.eagle3 import is_drafter_run
     from ..model import CheckpointError
 
     def fail(msg: str) -> int:
@@ -225,7 +225,7 @@ def _export_speculators(args, parser, ex, fail) -> int:
     if hispec_only:
         parser.error(f"{', '.join(hispec_only)} only apply to hispec checkpoints, not to --format speculators")
     from ..io import parse_dtype
-    from ..speculators_export import SpeculatorsExportError, export_speculators
+    from ..export.speculators import SpeculatorsExportError, export_speculators
 
     try:
         out = export_speculators(args.train_output_dir, args.output_dir, verifier=args.base,

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", metavar="WIDTHS",
                    help="draft a static tree instead of a chain, children per node at each depth, e.g. 4x2x1 "
                         "(self-spec / draft>full, or self-spec-lookup: the n-gram lookup first; verified in one full pass; "
-                        "see hispec.tree), or a dynamic tree "
+                        "see hispec.decoding.tree), or a dynamic tree "
                         "dyn-DEPTH-TOPK-BEAM-NODES, e.g. dyn-5-4-4-16 (greedy only)")
     p.add_argument("--ngram-max", type=int, help="n-gram level: longest suffix matched (default 3)")
     p.add_argument("--ngram-min", type=int, help="n-gram level: shortest suffix tried (default 1)")
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     if args.stream and args.batch_size != 1:
         print("error: --stream needs --batch-size 1", file=sys.stderr)
         return 2
-    from ..tree import parse_tree
+    from ..decoding.tree import parse_tree
 
     try:
         parse_tree(args.tree)

@@ -4,7 +4,7 @@
 Contract (the `policy` protocol of `hispec.decoding.rounds._Run`): `choose(run)` before every round writes the
 per-row gammas `run.gam` (0 below the lowest level a row uses; all 0: plain decoding) and, under a lookup-first
 level 0, `run.lookup_only` (the lookup alone); `observe(run, k, ...)` is
-called by every verification, `observe_tree(...)` / `lookup_missed(...)` by tree rounds (`hispec.tree`), all before
+called by every verification, `observe_tree(...)` / `lookup_missed(...)` by tree rounds (`hispec.decoding.tree`), all before
 the state moves on; `keep_rows` / `extend` follow the run's rows (continuous batching); `guard` is the measured
 floor (`hispec.decoding.guard`). It only changes what drafts (gammas, the lookup alone), from tokens already drawn:
 output is unchanged.
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import latency
-from ..latency import LOOKUP, level_pairs
-from ..ngram import propose_batch
+from ..latency import LOOKUP, level_pairs, plain_seconds_per_token
+from ..drafters.ngram import propose_batch
 from ..sampling import logits_to_probs, rank_among
 from .guard import _PlainGuard
 from .levels import Level
@@ -245,7 +245,7 @@ class _AutoPolicy:
             self.kseen[rows] = self.DECAY * self.kseen[rows] + 1
 
     def observe_tree(self, run: _Run, drafted, top1, part, new, probs, rank=None):
-        """Called by a tree round (`hispec.tree`, `hispec.decoding.eagle_tree`) after its verification, before the
+        """Called by a tree round (`hispec.decoding.tree`, `hispec.decoding.eagle_tree`) after its verification, before the
         state moves on. `top1` is one observation of level 0's top-1 rate at the root (greedy: whether the full
         model's token is its top-1; sampling: the exact acceptance probability sum(min(p, q)) of one draft from its
         q) for every row of `part` (still decoding) under an exit (the pass computes the exit's root logits for
@@ -286,7 +286,7 @@ class _AutoPolicy:
         exit_level = self.names[0].removeprefix(LOOKUP)
         key = self.latency.pair_key(exit_level, "full")
         rates, widths = cal.topk[key], list(self.tree.widths)
-        plain = cal.plain_seconds_per_token()
+        plain = plain_seconds_per_token(cal)
         own = None if run.do_sample else (self.khit / self.kseen[:, None].clamp(min=1e-9)).tolist()
         gam, only = [0] * alphas.shape[0], [False] * alphas.shape[0]
         for b in range(alphas.shape[0]):
@@ -313,7 +313,7 @@ class _AutoPolicy:
         K = len(self.chain) - 1
         gam = [[0] * alphas.shape[0] for _ in range(K)]  # (every row's every gamma is set below)
         only = [False] * alphas.shape[0]
-        plain = cal.plain_seconds_per_token()
+        plain = plain_seconds_per_token(cal)
         for b in range(alphas.shape[0]):
             margin = self.MARGIN if int(self.lowest[b]) == K else 0.0  # hysteresis: climbing needs a clear gain
             rates = {p[0]: a for p, a in zip(self.pairs, alphas[b].tolist())}

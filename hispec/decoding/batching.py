@@ -9,12 +9,7 @@ the same hierarchy and sampling settings. Rows keep their own counts, so no row'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .rounds import _Run
 
 
 class _RowSet:
@@ -25,7 +20,7 @@ class _RowSet:
                    "handed", "aux", "dk", "dv", "dctx", "dlen", "dh")  # (the last six: an EAGLE-3 level 0, else None)
     ROW_LISTS = ("ver", "done", "gam", "hid", "rows")
 
-    def _map_rows(self, fn, other: "_Run | None" = None) -> None:
+    def _map_rows(self, fn, other: _RowSet | None = None) -> None:
         """Replace every per-row tensor t by fn(t) (or fn(t, other's t) with `other`): one list of fields for
         dropping rows and for admitting them."""
         two = (lambda name: (getattr(self, name), getattr(other, name))) if other is not None else None
@@ -49,7 +44,7 @@ class _RowSet:
         if len(keep) < len(self.orig):
             self._keep_rows(torch.tensor(keep, dtype=torch.long, device=self.seq.device))
 
-    def extend(self, other: "_Run") -> None:
+    def extend(self, other: _RowSet) -> None:
         """Append the rows of `other`, a prefilled run of the same hierarchy and sampling settings whose cache shares
         this cache's storage: continuous batching admits requests between rounds this way. Per-position buffers are
         padded to the wider run (each row only reads below its own limit; an EAGLE-3 drafter's keys by slot too:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (`hispec.eagle3`) as level 0 of a round: hierarchies `eagle3>full` and `ngram|eagle3>full`.
+"""The EAGLE-3 drafter (`hispec.drafters.eagle3`) as level 0 of a round: hierarchies `eagle3>full` and `ngram|eagle3>full`.
 
 The drafter reads the full model's residual stream at its aux layers, which verification computes anyway: the top
 range's `run_layers` captures them (`capture`) for every position it runs, into `aux` (valid below done[K], like
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..eagle3 import KVBuffer
+from ..drafters.eagle3 import KVBuffer
 from ..sampling import logits_to_probs, rank_among, sample
 from .stats import LevelStats
 

@@ -1,6 +1,6 @@
 """Static trees drafted by the EAGLE-3 drafter: `eagle3>full` / `ngram|eagle3>full` with `tree=[k1, ..., kD]`.
 
-The tree format, its acceptance and its rollback are `hispec.tree`'s (one draft level directly under the full
+The tree format, its acceptance and its rollback are `hispec.decoding.tree`'s (one draft level directly under the full
 model); what differs is who drafts. One round, per row:
 1. The drafter catches up the context the full model verified since its last step and proposes for position seq
    (`_EagleDrafting._eagle_advance`, a chain's first draft step). Depth 1 = its top-k1 (sampling: k1 draws without
@@ -12,12 +12,12 @@ model); what differs is who drafts. One round, per row:
    buffer: past every context entry, and dropped after the round like a chain's draft entries (the buffer has
    N spare slots for it). Its logits give its children.
 3. ONE full pass over the row's pending position(s) and all N nodes (a node sees itself and its ancestors among
-   the tree's slots), capturing the drafter's aux layers on the way (`hispec.tree._allow`, `run_layers(capture=)`).
-4. Acceptance as every static tree (`hispec.tree.accept_tree`); the accepted path and the full model's token are
+   the tree's slots), capturing the drafter's aux layers on the way (`hispec.decoding.tree._allow`, `run_layers(capture=)`).
+4. Acceptance as every static tree (`hispec.decoding.tree.accept_tree`); the accepted path and the full model's token are
    committed, the full model's cache keeps the path (`_keep_path`), and the aux states of the pending positions and
    of the path are stored, so the drafter's next catch-up recomputes the accepted tokens as context entries from
    the target's states, exactly as after a chain (and as training's step 0 sees them).
-Lossless for the reasons `hispec.tree` gives: greedy commits only the full model's argmax given the committed
+Lossless for the reasons `hispec.decoding.tree` gives: greedy commits only the full model's argmax given the committed
 prefix (each node's full-model row was computed with exactly its ancestors as context); sampling is speculative
 sampling per depth against the drafter's stored q, children drawn without replacement.
 Under `auto` (which plans a drafter tree where the latency model predicts it faster than every chain), a row
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from .. import sampling, timing
-from ..eagle3 import KVBuffer
-from ..tree import (_count, _keep_path, _Layout, _lookup_first, _write_path, accept_tree, observe_tree,
+from ..drafters.eagle3 import KVBuffer
+from .tree import (_count, _keep_path, _Layout, _lookup_first, _write_path, accept_tree, observe_tree,
                     verify_tree)
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ngram import NgramConfig
+from ..drafters.ngram import NgramConfig
 from ..sampling import check_verification
-from ..tree import check_tree, parse_tree
+from .tree import check_tree, parse_tree
 from .auto import _AutoPolicy
 from .levels import build_levels, parse_hierarchy
 from .plan import _auto_plan, _auto_trees, _calibration, default_strategy, ngram_config
@@ -58,7 +58,7 @@ def generate(
     max_ngram, min_ngram, max_len — max_len is that level's gamma). Defaults come from the checkpoint's config;
     eos/pad from the base model's generation config. Strategies ignore what they do not use.
 
-    `tree`: draft a static tree at level 0 instead of a chain and verify it in one full pass (`hispec.tree`):
+    `tree`: draft a static tree at level 0 instead of a chain and verify it in one full pass (`hispec.decoding.tree`):
     widths per depth, `[4, 2, 1]` or `"4x2x1"` (the root's top-4, each one's top-2, then top-1: 4 + 8 + 8 nodes;
     sampling draws the children without replacement), or `"dyn-D-K-B-N"`, a dynamic EAGLE-2-style tree (depth D,
     top-K per expanded node, B nodes expanded per depth, the N best verified; greedy only). Needs a hierarchy of one

@@ -1,10 +1,10 @@
 """Hierarchies: which levels a strategy runs, parsed from its name or spec and built into `Level` objects.
 
 A level is one of
-- `ngram`: prompt lookup over the row's own prompt and output (`hispec.ngram`); no model cost; only at level 0;
+- `ngram`: prompt lookup over the row's own prompt and output (`hispec.drafters.ngram`); no model cost; only at level 0;
 - an exit: the decoder layers up to the exit's layer plus its trained head (`draft` at L_d, `verify` at L_i);
 - `full`: the whole model, always the top;
-- `eagle3` (level 0 only, directly under `full`): the checkpoint's EAGLE-3 drafter (`hispec.eagle3`), one decoder
+- `eagle3` (level 0 only, directly under `full`): the checkpoint's EAGLE-3 drafter (`hispec.drafters.eagle3`), one decoder
   layer of its own over the full model's states at a few layers (`hispec.decoding.eagle`);
 - `ngram|EXIT` (level 0 only): both drafters in one level, the n-gram lookup first and the exit wherever the lookup
   finds nothing. They are strong in different places (the lookup where answers copy from the context: code edits,
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..latency import LOOKUP
-from ..ngram import NgramConfig
+from ..drafters.ngram import NgramConfig
 
 NAMED = {
     "ar": ("full",),

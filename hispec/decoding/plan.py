@@ -14,8 +14,8 @@ import warnings
 
 from .. import latency
 from ..latency import Calibration, CalibrationError
-from ..ngram import NgramConfig
-from ..tree import TreeSpec
+from ..drafters.ngram import NgramConfig
+from .tree import TreeSpec
 from .levels import Level, _plan_levels
 
 _warned: set = set()
@@ -67,7 +67,7 @@ def _auto_trees(do_sample: bool, verification: str | None) -> bool:
 
 def _auto_plan(model, cal, *, gamma, window, ngram, max_new_tokens: int | None = None, trees: bool = True):
     """`auto`'s plan: (levels, tree, predicted seconds per token), `latency.auto_plan` (the latency-optimal
-    speculative chain, or a static tree with some width > 1 where predicted faster; `hispec.tree`) as the model's
+    speculative chain, or a static tree with some width > 1 where predicted faster; `hispec.decoding.tree`) as the model's
     levels; trees never deeper than `max_new_tokens`. `generate` and the bench's prediction both plan through
     here."""
     plan = latency.auto_plan(cal, trees=trees, max_depth=5 if max_new_tokens is None else min(5, max_new_tokens))

@@ -39,11 +39,11 @@ from __future__ import annotations
 import torch
 
 from .. import timing
-from ..heads import ContextInputs
-from ..ngram import NgramConfig, propose_batch
+from ..drafters.heads import ContextInputs
+from ..drafters.ngram import NgramConfig, propose_batch
 from ..sampling import greedy_accept, hsd_accept, logits_to_probs, sample, speculative_accept
-from ..dynamic_tree import dynamic_round
-from ..tree import DynamicTreeSpec, tree_round
+from .dynamic_tree import dynamic_round
+from .tree import DynamicTreeSpec, tree_round
 from .eagle_tree import eagle_tree_round
 from .batching import _RowSet
 from .eagle import _EagleDrafting
@@ -60,7 +60,7 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
         self.model, self.adapter, self.levels = model, model.adapter, levels
         # an eagle3 chain stops at a draft the drafter gives less (eagle.py); `auto`: its policy's (calibrated) gate
         self.draft_gate = float(getattr(policy, "draft_gate", draft_gate))
-        self.tree = tree  # a hispec.tree.TreeSpec: level 0 drafts trees (hispec/tree.py), else chains
+        self.tree = tree  # a hispec.decoding.tree.TreeSpec: level 0 drafts trees (hispec/decoding/tree.py), else chains
         self.K = len(levels) - 1
         self.bounds = [0] + [lv.exit_layer for lv in levels]
         self.do_sample, self.warp, self.generator = do_sample, warp, generator
@@ -533,7 +533,7 @@ class _Run(_Handover, _EagleDrafting, _RowSet):
             guard.end(self)
 
     def run(self):
-        """The whole call: prefill, then rounds (chains, or trees: `hispec.tree`) until every row is finished;
+        """The whole call: prefill, then rounds (chains, or trees: `hispec.decoding.tree`) until every row is finished;
         returns each row's new tokens by id."""
         self.prefill()
         alive = self.commit()

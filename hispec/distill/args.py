@@ -98,7 +98,7 @@ class ModelArguments:
     )
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha of 'layer' heads (hispec-export merges)."})
     context_window: int = field(
-        default=16, metadata={"help": "'context' heads: positions <= t each query attends over (hispec.heads)."}
+        default=16, metadata={"help": "'context' heads: positions <= t each query attends over (hispec.drafters.heads)."}
     )
     context_heads: int = field(default=4, metadata={"help": "'context' heads: attention heads."})
     context_head_dim: int | None = field(
@@ -107,7 +107,7 @@ class ModelArguments:
     context_mlp_mult: int = field(default=2, metadata={"help": "'context' heads: MLP width as a multiple of H."})
     context_frontier: bool = field(
         default=True, metadata={"help": "'context' heads: a direct path from the newest verified final state (+ a "
-                                        "distance embedding) into the MLP (hispec.heads)."}
+                                        "distance embedding) into the MLP (hispec.drafters.heads)."}
     )
     context_mid: bool = field(
         default=False, metadata={"help": "'context' heads: the draft head also reads the verifier exit's states of "

@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 drafter (`hispec.eagle3`) by distillation, from the feature cache.
+"""Training an EAGLE-3 drafter (`hispec.drafters.eagle3`) by distillation, from the feature cache.
 
 Contract:
 - `DrafterCollator(aux_layers, steps)`: items of `hispec.distill.features.CachedSequences` (built with the aux
@@ -246,7 +246,7 @@ def validate_drafter_args(m, d, t) -> None:
                               "eagle3 only")
         return
     if m.eagle3_init_from:
-        from hispec.eagle3 import is_drafter_run
+        from hispec.drafters.eagle3 import is_drafter_run
 
         if not is_drafter_run(Path(m.eagle3_init_from).expanduser()):
             raise ConfigError(f"eagle3_init_from {m.eagle3_init_from} holds no EAGLE-3 drafter (hispec_drafter.json "
@@ -273,7 +273,7 @@ def validate_drafter_args(m, d, t) -> None:
 
 def drafter_aux_layers(m, num_layers: int) -> list[int]:
     """The aux layer ids of this run, checked against the target's depth (`ConfigError`)."""
-    from hispec.eagle3 import default_aux_layers
+    from hispec.drafters.eagle3 import default_aux_layers
 
     layers = list(m.eagle3_aux_layers) or default_aux_layers(num_layers)
     bad = [i for i in layers if not 0 <= i <= num_layers]

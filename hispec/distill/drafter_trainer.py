@@ -1,4 +1,4 @@
-"""`train/heads.py --head_type eagle3`: an EAGLE-3 drafter (`hispec.eagle3`) trained by the distillation core.
+"""`train/heads.py --head_type eagle3`: an EAGLE-3 drafter (`hispec.drafters.eagle3`) trained by the distillation core.
 
 Contract: the run goes through the same pipeline as exit heads -- checks, self-written prompts, self-distilled
 answers, plain text, the feature cache (which then stores the drafter's aux layers and the final layer's top-k),
@@ -16,7 +16,7 @@ only in what trains:
   shape, to train it on with new data (checked before training; recorded in the run, so resume refuses another
   starting point); a larger `eagle3_draft_vocab_size` than that drafter's widens its draft vocabulary by the most
   frequent teacher top-1 tokens it lacks (`Eagle3Drafter.widened`). `save()`
-  writes `hispec_drafter.safetensors` + `hispec_drafter.json` (`hispec.eagle3.save_drafter`) and `metrics.json`;
+  writes `hispec_drafter.safetensors` + `hispec_drafter.json` (`hispec.drafters.eagle3.save_drafter`) and `metrics.json`;
   `hispec-export RUN --format speculators` turns that into a vLLM / SGLang drafter.
 """
 
@@ -38,7 +38,7 @@ def _make_drafter(model, m, train_cache):
     """A fresh drafter for `model`'s base: its shape, the draft vocabulary counted on the training cache, the
     lm_head rows and final norm of the target. With `eagle3_init_from`, that drafter instead (`_init_drafter`)."""
     from hispec.distill.drafter import draft_vocab_from_cache
-    from hispec.eagle3 import Eagle3Config, Eagle3Drafter
+    from hispec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
     adapter = model.adapter
     V = adapter.vocab_size
@@ -67,7 +67,7 @@ def _init_drafter(folder, cfg, model):
     belong to those tokens), after checking it has exactly the shape `cfg` this run asks for -- except a draft
     vocabulary smaller than the run's, which `_make_drafter` then widens -- and was trained for a target of this
     model's type (`ConfigError` naming every difference)."""
-    from hispec.eagle3 import load_drafter
+    from hispec.drafters.eagle3 import load_drafter
 
     drafter, meta = load_drafter(Path(folder).expanduser())
     have, want = drafter.config.to_dict(), cfg.to_dict()
@@ -89,7 +89,7 @@ def _init_info(folder) -> dict | None:
     """What a run records about the drafter it started from: its folder and a hash of its weights file."""
     if not folder:
         return None
-    from hispec.eagle3 import DRAFTER_FILE
+    from hispec.drafters.eagle3 import DRAFTER_FILE
 
     h = hashlib.sha256()
     with open(Path(folder).expanduser() / DRAFTER_FILE, "rb") as f:
@@ -174,7 +174,7 @@ class DrafterTrainer(Trainer):
     def save(self) -> None:
         """Final evaluation, then the drafter (`hispec_drafter.*`), `metrics.json` and one JSON line."""
         from hispec.distill.trainer import METRICS_FILE
-        from hispec.eagle3 import save_drafter
+        from hispec.drafters.eagle3 import save_drafter
         from hispec.io import write_json
 
         acc = self.accelerator

@@ -52,8 +52,8 @@ from hispec.distill.training import (
     HeadsForTraining, _distance_seed, _loss_fn, context_ranges, context_settings, distance_sampler, evaluate,
     format_agreement, lr_at, take_step,
 )
-from hispec.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
-from hispec.heads import HEAD_TYPES
+from hispec.drafters.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
+from hispec.drafters.heads import HEAD_TYPES
 from hispec.io import HeapTrimmer, atomic_write, parse_dtype, write_json
 from hispec.layers import DecoderAdapter
 from hispec.model import (

@@ -100,7 +100,7 @@ def fit_head(head, adapter, feats: torch.Tensor, topk_ids: torch.Tensor, topk_lo
 
 # ---------------------------------------------------------------------------------------------------- context heads
 def context_settings(m: ModelArguments) -> dict:
-    """The `context` dict `EarlyExitModel.from_base` takes (hispec.heads.CONTEXT_DEFAULTS keys)."""
+    """The `context` dict `EarlyExitModel.from_base` takes (hispec.drafters.heads.CONTEXT_DEFAULTS keys)."""
     out = {"window": m.context_window, "heads": m.context_heads, "head_dim": m.context_head_dim,
            "mlp_mult": m.context_mlp_mult, "frontier": int(m.context_frontier)}
     return {k: v for k, v in out.items() if v is not None}

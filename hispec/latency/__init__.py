@@ -2,7 +2,7 @@
 
 Contract:
 - A *hierarchy* is a list of level names ordered by depth, bottom-up, ending with "full": "ngram" (prompt-lookup
-  drafting, `hispec.ngram`; only as the bottom level), "eagle3" (an EAGLE-3 drafter, `hispec.eagle3`; only as the
+  drafting, `hispec.drafters.ngram`; only as the bottom level), "eagle3" (an EAGLE-3 drafter, `hispec.drafters.eagle3`; only as the
   bottom level, directly under "full"; "ngram|eagle3" tries the lookup first), "L<k>" (the exit after decoder
   layer k with its trained head) and "full" (the model). Level i < top has a gamma `g_i`: how many tokens it gathers before level i+1
   verifies them in one pass (for "ngram": its longest proposal). `gammas[i] == 0` means level i is *skipped*:
@@ -20,10 +20,11 @@ Contract:
 
 The package re-exports its modules' names (`from hispec.latency import X` and `hispec.latency.X` reach them all);
 each module imports only those listed before it:
-- `model`: the formulas (in its docstring), closed forms and level names, `time_per_token` and the dynamic
-  programmes over hierarchies and gammas (`best_hierarchy`, `best_gammas`), `CalibrationError`;
+- `levels`: level names and the closed forms (`expected_tokens`, `interp`, ...), `CalibrationError`;
 - `calibration`: the `Calibration` record (costs, acceptances, batch scaling, JSON, the model / machine check) and
   its storage in a checkpoint (`write_calibration`, `read_calibration`);
+- `model`: the formulas (in its docstring), `time_per_token` and the dynamic programmes over hierarchies and
+  gammas (`best_hierarchy`, `best_gammas`);
 - `trees`: static tree drafts priced (`tree_time_per_token`) and the best tree;
 - `plans`: `auto_plan`, the plan `auto` decodes with, and the prediction tables the tools print;
 - `timing`: unit costs timed behind a KV cache (`KVBench`, `measure_costs`);
@@ -35,9 +36,10 @@ from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import (CALIBRATION_VERSION, Calibration, cpu_model, drafter_identity, machine_fingerprint,
                           model_identity, read_calibration, write_calibration)
 from .measure import NGRAM_CANDIDATES, calibrate, drafter_rounds, fit_decoder_costs, ngram_rounds
-from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, Choice, acceptance_from_counts,
-                    batch_pass_seconds, best_gammas, best_hierarchy, expected_tokens, interp, is_drafter, level_name,
-                    level_pairs, lookup_alone_seconds, lookup_exit, lookup_first_rounds, pair_key, time_per_token)
+from .levels import (EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, acceptance_from_counts, expected_tokens, interp,
+                     is_drafter, level_name, level_pairs, lookup_exit, pair_key)
+from .model import (DEFAULT_MAX_GAMMA, Choice, batch_pass_seconds, best_gammas, best_hierarchy, lookup_alone_seconds,
+                    lookup_first_rounds, plain_seconds_per_token, time_per_token)
 from .plans import AutoPlan, auto_plan, format_predictions, named_hierarchies, predictions
 from .timing import KVBench, measure_costs, measure_layer_costs, median_times, nondecreasing
 from .trees import (MAX_TREE_WIDTH, TREE_ROWS, best_tree, scaled_topk, tree_expected_tokens, tree_round_seconds,
@@ -76,6 +78,7 @@ __all__ = [
     "named_hierarchies",
     "predictions",
     "read_calibration",
+    "plain_seconds_per_token",
     "time_per_token",
     "write_calibration",
 ]

@@ -21,9 +21,8 @@ import torch
 
 from .. import packed
 from ..io import cpu_model, write_json  # noqa: F401  (cpu_model: re-exported)
-from ..ngram import NgramConfig
-from .model import (EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, gate_key, interp, level_name, lookup_exit,
-                    time_per_token)
+from ..drafters.ngram import NgramConfig
+from .levels import EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, gate_key, interp, level_name, lookup_exit
 
 CALIBRATION_VERSION = 1
 
@@ -265,9 +264,6 @@ class Calibration:
             units[key] = fn()
         return units[key]
 
-    def plain_seconds_per_token(self) -> float:
-        return time_per_token([FULL], [], self)
-
     def at_batch(self, rows: int) -> Calibration:
         """This calibration as one row of a batch of `rows` rows decoding together sees it: every pass cost measured
         at T positions becomes the cost of the batch's pass over rows x T positions, shared by its rows
@@ -277,7 +273,7 @@ class Calibration:
         positions is still nearly free, beyond it (compute-bound) every extra position costs its share, which is why
         speculation that pays alone can lose in a full batch (attention over each row's own cache scales the same
         way: rows x T queries over `context` keys). Every formula then prices a row at the batch's marginal costs,
-        and plain decoding at its own (`plain_seconds_per_token()` = the batch's plain step / rows). rows <= 1:
+        and plain decoding at its own (`plain_seconds_per_token` = the batch's plain step / rows). rows <= 1:
         this calibration. Memoised per calibration."""
         rows = int(rows)
         if rows <= 1:

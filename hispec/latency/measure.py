@@ -21,12 +21,12 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import timing
-from ..ngram import NgramConfig, propose
+from ..drafters.ngram import NgramConfig, propose
 from ..prompts import Prompt, render
 from .budget import DEFAULT_MAX_SECONDS, Budget
 from .calibration import Calibration, _dtype_name, machine_fingerprint, model_identity
-from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, NGRAM, _drafter_context, _pass_cost, acceptance_from_counts,
-                    gate_key, level_name, pair_key)
+from .levels import EAGLE, FULL, NGRAM, acceptance_from_counts, gate_key, level_name, pair_key
+from .model import DEFAULT_MAX_GAMMA, _drafter_context, _pass_cost
 from .plans import auto_plan
 from .timing import measure_costs
 from .trees import MAX_TREE_WIDTH, TREE_ROWS, tree_round_seconds

@@ -4,9 +4,8 @@ and the latency-optimal hierarchy (design.md §3.3).
 Contract: `time_per_token(levels, gammas, cal)` prices a hierarchy (levels bottom-up ending with "full", gammas
 with 0 = skip; the level names are `hispec.latency`'s), `best_hierarchy(cal)` finds the fastest one (plain
 decoding always a candidate) and `best_gammas(levels, cal, acceptance)` the best gammas for fixed levels
-(memoised on the calibration). `expected_tokens`, `acceptance_from_counts`, the level names (`level_pairs`,
-`lookup_exit`, `level_name`, `pair_key`) and `interp` are the closed forms the rest of the package shares;
-`CalibrationError` is raised where a calibration lacks an input. Arithmetic on a `Calibration`
+(memoised on the calibration); `plain_seconds_per_token(cal)` is plain decoding's price. The level names and
+closed forms it builds on are `hispec.latency.levels`'. Arithmetic on a `Calibration`
 (`hispec.latency.calibration`) only: nothing is measured here, and the formulas are below.
 
 The model (greedy decoding, i.i.d. acceptance). Unit costs, measured per number T of new positions in one pass:
@@ -104,101 +103,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .calibration import Calibration
+from .calibration import Calibration
+from .levels import (EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, expected_tokens, is_bottom_only, is_drafter,
+                     level_pairs, lookup_exit, pair_key)
 
-NGRAM, FULL = "ngram", "full"
-LOOKUP = "ngram|"  # "ngram|L4": the lookup-first exit level (the n-gram lookup, the exit where it finds nothing)
-EAGLE = "eagle3"  # the EAGLE-3 drafter (hispec.eagle3): a bottom level, verified by "full" only
 DEFAULT_MAX_GAMMA = 8
 
 
-class CalibrationError(ValueError):
-    """A calibration is missing, malformed, or belongs to another model or machine; the message says which."""
-
-
-# ---------------------------------------------------------------------------------------------- closed forms
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Expected tokens from one verification of `gamma` drafts with i.i.d. acceptance `alpha`: the accepted prefix
-    plus the verifier's own token, `(1 - alpha^(gamma+1)) / (1 - alpha)`; gamma 0 -> 1, alpha 1 -> gamma + 1."""
-    if gamma <= 0:
-        return 1.0
-    alpha = min(max(float(alpha), 0.0), 1.0)
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def acceptance_from_counts(accepted: int, proposed: int, rejections: int) -> float | None:
-    """The i.i.d. maximum-likelihood acceptance rate from verification rounds: `accepted / (accepted + rejections)`.
-
-    A round that checked m proposals and accepted a of them contributes a acceptances and one rejection when
-    a < m (a round that accepted all, or whose walk was cut short, is censored: no rejection). `proposed` (the
-    tokens put up for verification, >= accepted + rejections) only guards the counts. None when nothing was
-    observed (accepted + rejections == 0): no evidence, use a prior such as the calibration's rate."""
-    if min(accepted, proposed, rejections) < 0 or accepted + rejections > proposed:
-        raise ValueError(f"inconsistent counts: accepted {accepted} + rejections {rejections} > proposed {proposed}")
-    n = accepted + rejections
-    return accepted / n if n else None
-
-
-def lookup_exit(level: str) -> str | None:
-    """The exit level of a lookup-first level ("ngram|L4" -> "L4"), else None."""
-    return level[len(LOOKUP):] if level.startswith(LOOKUP) else None
-
-
-def is_drafter(level: str) -> bool:
-    """Whether `level` drafts with the EAGLE-3 drafter ("eagle3", or lookup-first "ngram|eagle3")."""
-    return (lookup_exit(level) or level) == EAGLE
-
-
-def is_bottom_only(level: str) -> bool:
-    """Levels that only draft, never verify: the n-gram, the lookup-first levels and the drafter."""
-    return level == NGRAM or lookup_exit(level) is not None or level == EAGLE
-
-
-def level_pairs(lower: str, upper: str) -> list[str]:
-    """The acceptance rates a verification of `lower`'s tokens by `upper` depends on: one pair, or for a lookup-first
-    level its exit's and the n-gram's ("ngram|L4", "full" -> ["L4>full", "ngram>full"])."""
-    exit_level = lookup_exit(lower)
-    return [pair_key(lower, upper)] if exit_level is None else [pair_key(exit_level, upper), pair_key(NGRAM, upper)]
-
-
-def gate_key(gate: float) -> str:
-    """A confidence gate as a calibration's key: 0.3 -> "0.3"."""
-    return f"{float(gate):g}"
-
-
-def level_name(layer: int) -> str:
-    return f"L{int(layer)}"
-
-
-def pair_key(lower: str, upper: str) -> str:
-    return f"{lower}>{upper}"
-
-
-def interp(table: dict, T: int) -> float:
-    """A cost measured at some T (`{T: seconds}`) at any T: linear between measured points, the last segment's
-    slope (>= 0) beyond them, the first value below them."""
-    if T in table:
-        return table[T]
-    keys = sorted(table)
-    if T < keys[0]:
-        return table[keys[0]]
-    if T > keys[-1]:
-        if len(keys) == 1:
-            return table[keys[0]] * T / keys[0]
-        a, b = keys[-2], keys[-1]
-        return table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (T - b)
-    lo = max(k for k in keys if k <= T)
-    hi = min(k for k in keys if k >= T)
-    return table[lo] + (table[hi] - table[lo]) * (T - lo) / (hi - lo)
-
-
-
-# ---------------------------------------------------------------------------------------------- the model
 def _alpha(cal: Calibration, acceptance: dict | None, key: str) -> float:
     """The acceptance rate of the pair `key` ("L4>full"): `acceptance`'s, else the calibration's (the drafter's at
     the calibration's gate, `Calibration.rate`)."""
@@ -385,8 +297,13 @@ class Choice:
                 "tokens_per_second": self.tokens_per_second, "speedup_vs_plain": self.speedup_vs_plain}
 
 
+def plain_seconds_per_token(cal: Calibration) -> float:
+    """Plain decoding's predicted seconds per token: one full pass per token."""
+    return time_per_token([FULL], [], cal)
+
+
 def _choice(cal: Calibration, levels, gammas, t: float) -> Choice:
-    return Choice(tuple(levels), tuple(gammas), t, cal.plain_seconds_per_token() / t)
+    return Choice(tuple(levels), tuple(gammas), t, plain_seconds_per_token(cal) / t)
 
 
 def best_hierarchy(cal: Calibration, candidates=None, max_gamma: int = DEFAULT_MAX_GAMMA,

@@ -10,14 +10,11 @@ hierarchy), and `format_predictions` renders those rows as a table headed by the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .model import (DEFAULT_MAX_GAMMA, EAGLE, FULL, LOOKUP, NGRAM, _best_chain, best_hierarchy, gate_key, level_name,
-                    pair_key, time_per_token)
+from .calibration import Calibration
+from .levels import EAGLE, FULL, LOOKUP, NGRAM, gate_key, level_name, pair_key
+from .model import DEFAULT_MAX_GAMMA, _best_chain, best_hierarchy, plain_seconds_per_token, time_per_token
 from .trees import best_tree
-
-if TYPE_CHECKING:
-    from .calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ def predictions(cal: Calibration, max_gamma: int = DEFAULT_MAX_GAMMA, fixed: dic
     """One row per named hierarchy at its best gammas, then each of `fixed` ({label: (levels, gammas)}, e.g. the
     checkpoint's defaults), then "best" (`best_hierarchy`): name, levels, gammas, seconds/token, tok/s, speedup."""
     rows = []
-    plain = cal.plain_seconds_per_token()
+    plain = plain_seconds_per_token(cal)
 
     def row(name, levels, gammas, t):
         return {"name": name, "levels": list(levels), "gammas": list(gammas), "seconds_per_token": t,
@@ -103,7 +100,7 @@ def predictions(cal: Calibration, max_gamma: int = DEFAULT_MAX_GAMMA, fixed: dic
     for name, (levels, gammas) in (fixed or {}).items():
         rows.append(row(name, levels, gammas, time_per_token(levels, gammas, cal)))
     d = cal.model.get("exits", {}).get("draft")
-    if d is not None and cal.topk and pair_key(level_name(d), FULL) in cal.topk:  # static trees (hispec.tree)
+    if d is not None and cal.topk and pair_key(level_name(d), FULL) in cal.topk:  # static trees (hispec.decoding.tree)
         widths, t = best_tree(cal)
         rows.append({**row("tree " + "x".join(map(str, widths)), [level_name(d), FULL], [], t), "tree": widths})
     b = best_hierarchy(cal, max_gamma=max_gamma)
@@ -123,12 +120,12 @@ def format_predictions(cal: Calibration, rows: list[dict]) -> str:
     acc = ", ".join(f"{k} {v:.2f}" for k, v in cal.acceptance.items())
     lines += ["", f"acceptance (per token, greedy): {acc}; n-gram match {cal.ngram_match:.2f}"]
     if cal.ngram_options:
-        plain = cal.plain_seconds_per_token()
+        plain = plain_seconds_per_token(cal)
         opts = ", ".join(f"{_ngram_label(o['config'])} {plain / o['seconds_per_token']:.2f}x"
                          for o in cal.ngram_options)
         lines.append(f"n-gram config {_ngram_label(cal.ngram)} chosen by auto's predicted speedup ({opts})")
     if cal.drafter_gates:
-        plain = cal.plain_seconds_per_token()
+        plain = plain_seconds_per_token(cal)
         full = auto_plan(cal.with_gate(0)).seconds_per_token
         opts = ", ".join([f"0 {plain / full:.2f}x"] + [f"{k} {plain / o['seconds_per_token']:.2f}x (pass "
                                                         f"{o['pass']:.2f}, acceptance {o['acceptance']:.2f})"

@@ -18,9 +18,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import timing
-from ..eagle3 import KVBuffer
-from ..heads import ContextInputs
-from .model import DEFAULT_MAX_GAMMA, level_name
+from ..drafters.eagle3 import KVBuffer
+from ..drafters.heads import ContextInputs
+from .levels import level_name
+from .model import DEFAULT_MAX_GAMMA
 
 
 def median_times(fns: dict, repeats: int, *, device=None, fit=None, progress: str | None = None) -> dict:

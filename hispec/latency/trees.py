@@ -1,4 +1,4 @@
-"""The latency model of static tree drafts (`hispec.tree`): their predicted time per token and the best tree.
+"""The latency model of static tree drafts (`hispec.decoding.tree`): their predicted time per token and the best tree.
 
 Contract: `tree_time_per_token(widths, cal, level)` is R(tree) / E(tree) below, also for the lookup-first exit
 (`lookup=True`), the one pricing of trees; `best_tree(cal)` the fastest shape of `tree_shapes` (memoised);
@@ -6,7 +6,7 @@ Contract: `tree_time_per_token(widths, cal, level)` is R(tree) / E(tree) below, 
 (`Calibration.topk`, k = 1..MAX_TREE_WIDTH; `CalibrationError` without them); `TREE_ROWS` are the pass sizes
 `calibrate` times for tree verifications. The chain terms (unit costs, V_0k, E(a, g)) are `hispec.latency.model`'s.
 
-Static tree drafts (`hispec.tree`, widths k_1..k_D per depth, n_d = k_1...k_d nodes at depth d, N = sum n_d) under
+Static tree drafts (`hispec.decoding.tree`, widths k_1..k_D per depth, n_d = k_1...k_d nodes at depth d, N = sum n_d) under
 the full model, drafted by exit level b (depth e): a round drafts depth 1 from the pending position, depth d+1 from
 the n_d nodes of depth d, runs the draft layers over the leaves and then the rest of the model over the pending
 position and all N nodes at once:
@@ -39,13 +39,10 @@ and E(tree).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from .model import (EAGLE, FULL, NGRAM, CalibrationError, _alpha, _drafter_context, _pass_cost, expected_tokens,
-                    level_name, pair_key)
-
-if TYPE_CHECKING:
-    from .calibration import Calibration
+from .calibration import Calibration
+from .levels import EAGLE, FULL, NGRAM, CalibrationError, expected_tokens, level_name, pair_key
+from .model import _alpha, _drafter_context, _pass_cost
 
 MAX_TREE_WIDTH = 8  # top-k rates measured by `calibrate` (k = 1..MAX_TREE_WIDTH)
 TREE_ROWS = (16, 24, 32)  # pass sizes timed beyond the chains' for tree verifications (interpolated between)
@@ -111,7 +108,7 @@ def tree_time_per_token(widths, cal: Calibration, level: str | None = None, topk
     ({"L4>full": [...]}).
 
     `lookup`: the lookup-first exit with trees (`ngram|EXIT` drafting `widths` where the lookup finds nothing;
-    `hispec.tree._lookup_first`): the lookup-first formula of `hispec.latency.model` with the exit's chain round
+    `hispec.decoding.tree._lookup_first`): the lookup-first formula of `hispec.latency.model` with the exit's chain round
     replaced by a tree round,
 
         T = (c + m (o + V_0full(n+1)) + (1-m) R(tree)) / (m E(a_ng, n) + (1-m) E(tree)),

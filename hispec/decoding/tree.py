@@ -6,7 +6,7 @@ k1*...*kd nodes and the tree N = sum of those. Greedy: a node's children are the
 that node. Sampling: they are k_d draws *without replacement* from the draft distribution q at that node.
 `tree=[1]*gamma` is a chain of gamma drafts (the same tokens as `self-spec`, verified by the tree machinery).
 `tree="dyn-D-K-B-N"` is a dynamic EAGLE-2-style tree, greedy only (`DynamicTreeSpec`; its round:
-`hispec.dynamic_tree.dynamic_round`).
+`hispec.decoding.dynamic_tree.dynamic_round`).
 
 One round, for every row of the batch (rows keep their own trees; a row's depth is cut to the tokens it may
 still produce, deeper nodes are invalid slots for it):
@@ -24,7 +24,7 @@ Lookup first (`ngram|EXIT`, `strategy="self-spec-lookup"`): every row tries the 
 are verified as a chain, then every row still decoding drafts the tree (`_lookup_first`). Under `auto` a row whose
 `gam[0]` is 0 decodes plainly (no lookup, no nodes; the full model's token from the same pass), a `lookup_only`
 row tries the lookup but drafts no tree where it misses, and the policy observes each round (`observe_tree`).
-The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`); dynamic trees: `hispec.dynamic_tree`.
+The EAGLE-3 drafter drafts static trees too (`hispec.decoding.eagle_tree`); dynamic trees: `hispec.decoding.dynamic_tree`.
 
 Masks. Attention masks come from each slot's (valid, position) as everywhere in hispec; a tree pass adds an
 explicit `allow` mask (`DecoderAdapter.run_layers(allow=...)`): among this round's tree slots a node sees only
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampling, timing
+from .. import sampling, timing
 
 MAX_TREE_NODES = 256  # one verification pass over this many positions (the cost stops being flat far below)
 

@@ -18,7 +18,7 @@ decoder layers (the input of layer i; `hispec.layers.DecoderAdapter.run_layers` 
 layer i and the feature cache stores it as `hidden.<i>`); id = num_layers is the final layer's raw residual.
 
 Parameter names equal `speculators`' `Eagle3DraftModel` (`fc`, `layers.0.self_attn.q_proj`, ..., `layers.0.hidden_norm`,
-`norm`, `lm_head`, buffers `d2t` / `t2d`), so `hispec.speculators_export` saves the state dict as it is. The token
+`norm`, `lm_head`, buffers `d2t` / `t2d`), so `hispec.export.speculators` saves the state dict as it is. The token
 embedding is not owned: the target's is passed in (the export adds it for engines that want it in the folder).
 
 Why not transformers' `LlamaDecoderLayer` with patched projections (what `speculators` does): its forward is tied to
@@ -48,7 +48,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb,
 )
 
-from .io import atomic_write, read_json, write_json
+from ..io import atomic_write, read_json, write_json
 
 FORMAT_VERSION = 1
 

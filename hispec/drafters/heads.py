@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import positions_from_mask
+from ..layers import positions_from_mask
 
 HEAD_TYPES = ("shared", "norm", "linear", "lowrank", "layer", "context")
 STATELESS_HEAD_TYPES = ("shared", "norm", "linear", "lowrank")  # position-wise: no attention, no KV

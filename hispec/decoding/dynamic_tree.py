@@ -1,10 +1,10 @@
-"""Dynamic trees (EAGLE-2 style, greedy only): `dynamic_round`, one round of a `hispec.tree.DynamicTreeSpec`.
+"""Dynamic trees (EAGLE-2 style, greedy only): `dynamic_round`, one round of a `hispec.decoding.tree.DynamicTreeSpec`.
 
 Per round the exit expands, depth by depth, the `beam` most probable nodes so far (by the product of its
 probabilities along the path) into their top-`topk` children, then the `nodes` most probable of all drafted nodes
 are verified by the full model in one pass with the ancestry mask, and the longest accepted path is kept, as in a
-static tree round. Its own module because static trees (`hispec.tree`) are the ones `auto` plans and samples with;
-this round reuses their writing, rollback and accounting helpers (`hispec.tree` does not import this module, so
+static tree round. Its own module because static trees (`hispec.decoding.tree`) are the ones `auto` plans and samples with;
+this round reuses their writing, rollback and accounting helpers (`hispec.decoding.tree` does not import this module, so
 there is no cycle: `hispec.decoding.rounds` picks the round).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import timing
+from .. import timing
 from .tree import (DynamicTreeSpec, _count, _deepest, _keep_path, _lookup_first, _root, _write_path,
                    _write_states)
 
@@ -26,7 +26,7 @@ def _rows_gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def dynamic_round(run, spec: DynamicTreeSpec):
-    """One dynamic-tree round (greedy) for every row of `run`; see `DynamicTreeSpec` and `hispec.tree.tree_round`
+    """One dynamic-tree round (greedy) for every row of `run`; see `DynamicTreeSpec` and `hispec.decoding.tree.tree_round`
     (the same start: a lookup-first exit's lookup, or one plain verification where no row drafts)."""
     if run.do_sample:
         raise RuntimeError("dynamic trees are greedy only")

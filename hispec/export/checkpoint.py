@@ -1,9 +1,6 @@
 """Turn a training run's output into a hispec checkpoint folder (design.md §5), with a model card, and push it.
 
-Contract:
-- `read_train_output(dir)` reads what `train/heads.py` writes: `hispec_heads.safetensors` (keys as
-  `EarlyExitModel.heads_state_dict()`), `hispec_train.json` = {"hispec", "base", "args", "data"} and an optional
-  free-form `metrics.json`.
+Contract (the run folder itself is read by `hispec.export.run.read_train_output`):
 - `build_model(run, base=None, dtype=None)` loads the recorded base (or `base`: a folder, Hub id or .gguf), refuses
   one that does not fit the heads (depth, hidden size, vocabulary, architecture), and loads the heads. LoRA keys in
   the heads file (peft layout, `<module>.lora_A[.<adapter>].weight`) are merged with peft `merge_and_unload` first,
@@ -14,8 +11,7 @@ Contract:
 - `push_to_hub(folder, repo_id, ...)` uploads a finished folder (create_repo + upload_folder); any Hub or network
   failure raises `HubPushError` and never touches the local folder.
 The model card (README.md: `render_model_card`, `base_license`, `origin_hub_id`, ...) is written by
-`hispec.model_card`; its names are re-exported here. Nothing here contacts the Hub unless the base is a Hub id or a
-push is asked for.
+`hispec.export.model_card`. Nothing here contacts the Hub unless the base is a Hub id or a push is asked for.
 """
 
 from __future__ import annotations
@@ -32,32 +28,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .io import atomic_dir, read_json, write_json, write_text
-from .latency import DEFAULT_MAX_SECONDS, calibrate, predictions, write_calibration
-from .sampling import VERIFICATIONS
-from .model import (
-    HEADS_FILE,
-    METRICS_FILE,
-    TRAIN_FILE,
-    CheckpointError,
-    EarlyExitModel,
-    HispecConfig,
-    base_identity,
-    check_base_matches,
-    load,
-    load_base_model,
-    load_tokenizer,
-)
-from .model_card import (CARD_FILE, CARD_TAGS, ORIGIN_FILES, base_license, default_hierarchies,  # noqa: F401
-                         origin_hub_id, render_model_card, resolve_base_model, write_model_card)
-from .vocab import vocab_for_model
+from ..io import atomic_dir, write_json, write_text
+from ..latency import DEFAULT_MAX_SECONDS, calibrate, predictions, write_calibration
+from ..model import (TRAIN_FILE, CheckpointError, EarlyExitModel, HispecConfig, base_identity, check_base_matches,
+                     load, load_base_model, load_tokenizer)
+from ..sampling import VERIFICATIONS
+from ..vocab import vocab_for_model
+from .model_card import (CARD_FILE, base_license, default_hierarchies, render_model_card, resolve_base_model,
+                         write_model_card)
+from .run import ExportError, TrainRun, read_train_output
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
-
-
-class ExportError(ValueError):
-    """The training output or the export request is unusable; the message says what to do."""
 
 
 class HubPushError(RuntimeError):
@@ -66,50 +48,6 @@ class HubPushError(RuntimeError):
 
 def _log(msg: str) -> None:
     print(f"[hispec-export] {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------- training output
-@dataclass
-class TrainRun:
-    """What one training run left in its output folder."""
-
-    folder: Path
-    hispec: dict  # HispecConfig.to_dict()
-    base: dict  # base identity: name_or_path, revision, architectures, depth, hidden size, vocab size
-    args: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)
-    metrics: dict = field(default_factory=dict)
-
-    @property
-    def heads_file(self) -> Path:
-        return self.folder / HEADS_FILE
-
-    @property
-    def recorded_base(self) -> dict:
-        """The base identity, the top-level "base" entry winning over the copy inside "hispec"."""
-        return {**self.hispec.get("base", {}), **{k: v for k, v in self.base.items() if v is not None}}
-
-
-def read_train_output(folder: str | os.PathLike) -> TrainRun:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ExportError(f"training output folder {folder} does not exist")
-    for name in (TRAIN_FILE, HEADS_FILE):
-        if not (folder / name).is_file():
-            raise ExportError(
-                f"{folder / name} is missing: {folder} is not a finished train/heads.py output folder "
-                f"(it needs {TRAIN_FILE} and {HEADS_FILE})"
-            )
-    try:
-        train = read_json(folder / TRAIN_FILE)
-        metrics = read_json(folder / METRICS_FILE) if (folder / METRICS_FILE).is_file() else {}
-    except ValueError as e:  # json.JSONDecodeError
-        raise ExportError(f"unreadable JSON in {folder}: {e}") from e
-    if not isinstance(train.get("hispec"), dict):
-        raise ExportError(f"{folder / TRAIN_FILE} has no 'hispec' entry (the HispecConfig of the run)")
-    return TrainRun(folder=folder, hispec=train["hispec"], base=dict(train.get("base") or {}),
-                    args=dict(train.get("args") or {}), data=dict(train.get("data") or {}),
-                    metrics=metrics if isinstance(metrics, dict) else {"metrics": metrics})
 
 
 # ---------------------------------------------------------------------------------------------- heads
@@ -318,7 +256,7 @@ def export(
     with atomic_dir(out, overwrite=overwrite) as tmp:
         model.write_into(tmp, heads_only=heads_only, max_shard_size=max_shard_size)
         if drafter is not None:
-            from .eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
+            from ..drafters.eagle3 import DRAFTER_CONFIG, DRAFTER_FILE
 
             for f in (DRAFTER_FILE, DRAFTER_CONFIG):
                 shutil.copyfile(Path(drafter) / f, tmp / f)
@@ -457,24 +395,6 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool | None
     return getattr(info, "pr_url", None) or getattr(info, "commit_url", None) or str(info)
 
 
-__all__ = [
-    "TrainRun",
-    "ExportResult",
-    "ExportError",
-    "HubPushError",
-    "read_train_output",
-    "build_model",
-    "load_heads_checked",
-    "merge_lora_heads",
-    "render_model_card",
-    "write_model_card",
-    "base_license",
-    "export",
-    "calibrate_checkpoint",
-    "origin_hub_id",
-    "push_to_hub",
-    "list_files",
-]
 
 
 def write_decoding_defaults(folder: str | os.PathLike, setting, *, write_exits: bool = False) -> dict:

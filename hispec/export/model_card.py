@@ -13,7 +13,7 @@ Contract:
   the `hub_id` in the marker `hispec.fetch` writes).
 - `default_hierarchies(model)` names the checkpoint's own decoding defaults as hierarchies, for prediction tables.
 Text and small file reads only; the Hub is contacted only by `base_license`, for a Hub id whose README is not
-cached. `hispec.export` writes the card and re-exports these names.
+cached. `hispec.export.checkpoint` writes the card; `hispec.export` re-exports these names.
 """
 
 from __future__ import annotations
@@ -22,18 +22,14 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
-from .fetch.store import MARKER
-from .io import read_json
-from .latency import predictions
-from .model import METRICS_FILE
-
-if TYPE_CHECKING:
-    from .export import TrainRun
-    from .model import EarlyExitModel
+from ..fetch.store import MARKER
+from ..io import read_json
+from ..latency import predictions
+from ..model import METRICS_FILE, EarlyExitModel
+from .run import TrainRun
 
 CARD_FILE = "README.md"
 CARD_TAGS = ("hispec", "early-exit", "speculative-decoding")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .eagle3 import Eagle3Drafter, is_drafter_run, load_drafter
-from .io import atomic_dir, atomic_write, write_text
+from ..drafters.eagle3 import Eagle3Drafter, is_drafter_run, load_drafter
+from ..io import atomic_dir, atomic_write, write_text
 
 
 class SpeculatorsExportError(ValueError):
@@ -142,7 +142,7 @@ def export_speculators(run_dir, output_dir, *, verifier: str | None = None, revi
 
 
 def _head_type_of(run_dir: Path) -> str | None:
-    from .io import read_json
+    from ..io import read_json
 
     for name in ("hispec_train.json", "config.json"):
         p = run_dir / name

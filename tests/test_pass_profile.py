@@ -1,0 +1,47 @@
+"""tools/pass_profile.py: one pass's time split by kind of work, and the weight-streaming floor."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import load_tool
+from tiny import char_tokenizer, tiny_model
+
+import hispec
+
+
+def test_profile_splits_every_pass_into_kinds_that_sum_to_its_wall_time():
+    pp = load_tool("pass_profile")
+    model = hispec.EarlyExitModel.from_base(tiny_model("llama"), 1, 2, "shared")
+    rows = pp.profile_model(model, positions=[1, 4], context=16, repeats=3)
+    assert [r["T"] for r in rows] == [1, 4]
+    for r in rows:
+        parts = [r[k] for k in pp.KINDS] + [r["python + dispatch"]]
+        assert all(p >= 0 for p in parts) and r["gemm"] > 0 and r["attention"] > 0 and r["lm_head"] > 0
+        assert r["cache"] > 0 and r["masks + rotary"] > 0
+        assert sum(parts) >= r["wall"] * 0.999  # python + dispatch is what the operators leave of the wall time
+
+
+def test_weight_bytes_count_the_layers_and_the_output_projection_once():
+    pp = load_tool("pass_profile")
+    base = tiny_model("llama")
+    model = hispec.EarlyExitModel.from_base(base, 1, 2, "shared")
+    layers = sum(p.numel() * 4 for p in base.model.layers.parameters())
+    head = base.lm_head.weight.numel() * 4
+    norm = base.model.norm.weight.numel() * 4
+    assert pp.weight_bytes(model) == layers + head + norm
+
+
+def test_the_tool_prints_a_table_and_ends_with_one_json_line(tmp_path, capsys):
+    pp = load_tool("pass_profile")
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    assert pp.main(["--model", str(folder), "--positions", "1,2", "--repeats", "2", "--context", "8", "--bandwidth-mb", "16",
+                    "--json-out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[1].startswith("| dtype | T | wall |")
+    summary = json.loads(out[-1])
+    assert summary["tool"] == "pass_profile" and [r["T"] for r in summary["rows"]] == [1, 2]
+    assert all(r["floor"] > 0 and r["wall_over_floor"] > 0 for r in summary["rows"])
+    assert json.loads((tmp_path / "p.json").read_text())["rows"] == summary["rows"]
