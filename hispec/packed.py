@@ -26,7 +26,7 @@ its top two logits tie to that precision, like bf16's batch effects (the benchma
 fp32 and reports its margin). hispec's own decoding is lossless with respect to the model it runs: packed or not,
 speculative output equals that model's plain greedy output (tested per family).
 
-Where it pays is measured, not assumed. On a 2-core Intel Xeon with AMX (session 27, torch 2.13, one thread)
+Where it pays is measured, not assumed. On a 2-core Intel Xeon with AMX (torch 2.13, one thread; docs/results.md)
 transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock speed packed in fp32 but 1.29x in bf16,
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
 is the whole model streaming its weights. So the default (`pack=None`) packs the model, times its own forward over

@@ -33,10 +33,14 @@ _packed.memo_path = lambda: None
 
 
 def load_tool(script: str):
-    """tools/ is not a package: load tools/<script>.py by path (once; shared through sys.modules)."""
+    """tools/ is not a package: load tools/<script>.py, else tools/research/<script>.py, by path (once; shared through
+    sys.modules)."""
     name = f"hispec_tools_{script}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{script}.py")
+        path = REPO_ROOT / "tools" / f"{script}.py"
+        if not path.exists():
+            path = REPO_ROOT / "tools" / "research" / f"{script}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

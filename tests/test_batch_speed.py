@@ -1,4 +1,4 @@
-"""tools/batch_speed.py: tokens/s per batch size, every output checked against plain decoding, one JSON line."""
+"""tools/research/batch_speed.py: tokens/s per batch size, every output checked against plain decoding, one JSON line."""
 
 from __future__ import annotations
 

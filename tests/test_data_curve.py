@@ -1,4 +1,4 @@
-"""tools/data_curve.py: drafters on growing data, ordered by training tokens, checked to be scored alike, plotted."""
+"""tools/research/data_curve.py: drafters on growing data, ordered by training tokens, checked to be scored alike, plotted."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/head_agreement.py: exit-head agreement with the final layer on real prompts, by frontier distance."""
+"""tools/research/head_agreement.py: exit-head agreement with the final layer on real prompts, by frontier distance."""
 
 from __future__ import annotations
 

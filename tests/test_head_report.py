@@ -1,4 +1,4 @@
-"""tools/head_report.py: eval-heads results of several runs -> one table, per-category table, curves, JSON line."""
+"""tools/research/head_report.py: eval-heads results of several runs -> one table, per-category table, curves, JSON line."""
 
 from __future__ import annotations
 

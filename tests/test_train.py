@@ -389,7 +389,7 @@ def test_resume_from_a_checkpoint_written_before_the_distill_core(env, tmp_path)
     distillation core moved to hispec/distill/) in the run of the test above, killed after step 5; resuming it
     with today's trainer ends with the same heads and metrics as an uninterrupted run. Up to float rounding only:
     its first 4 steps ran on the CPU that wrote the fixture, and another CPU's kernels round differently (an
-    Intel Xeon with AMX against the AMD EPYC of that session), so bit-identity holds only for resumes on one
+    Intel Xeon with AMX against the AMD EPYC that wrote the fixture), so bit-identity holds only for resumes on one
     machine (the test above). A broken resume (wrong step, optimizer or data position) is off by far more."""
     import shutil
 

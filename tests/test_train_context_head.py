@@ -207,7 +207,7 @@ def test_one_cache_with_final_states_trains_linear_and_context_heads_and_context
 
 
 def test_head_report_puts_context_heads_next_to_linear_ones_from_metrics_json(env, tmp_path, capsys):  # noqa: F811
-    """tools/head_report.py reads training runs' metrics.json: one table (context heads per frontier distance,
+    """tools/research/head_report.py reads training runs' metrics.json: one table (context heads per frontier distance,
     linear heads with their one distance-independent number), one plot, the JSON line."""
     from conftest import load_tool
 

@@ -137,7 +137,7 @@ def test_drafter_trains_on_from_an_earlier_drafter(env, pairs_file, tmp_path, ca
     assert alone["overall"] == both["runs"][1]["overall"] and alone["by_category"] == both["runs"][1]["by_category"]
     assert both["runs"][0]["overall"] != both["runs"][1]["overall"]
 
-    # tools/draft_vocab_coverage.py ranks tokens as training does: its 40 are the first drafter's vocabulary
+    # tools/research/draft_vocab_coverage.py ranks tokens as training does: its 40 are the first drafter's vocabulary
     from hispec.distill.features import CachedSequences
 
     train = CachedSequences(cache / "train", layers=[])

@@ -205,16 +205,16 @@ class _AutoPolicy:
         otherwise do. The budget: the shadow passes' predicted cost stays within SHADOW_SHARE / B of what the
         rounds so far cost plainly (`choose` counts them; B: the batch's rows), so a drafter that never runs costs
         plain decoding at most that. A pass over a row's whole prompt, the drafter's context before it first ran,
-        is the dear one: it runs over every row of the batch padded to the longest catch-up. Measured before the
-        budget (session 26, SmolLM2 bf16, the shipped drafter, batch 4, one thread, 16 Spec-Bench prompts x 64
-        tokens), `auto` decoded 99% of its rows plainly (the drafter at batch 4 runs at 0.57x of `ar`) and its
-        drafter shadows alone took 11% of `ar`'s decode time (auto 0.82x of `ar`, 0.93x without them). Why the
-        share falls with the rows: a batch's round speculates only when its rows' rates clear a bar that rises
-        with B (the latency model's per-row rule, SmolLM2 bf16: the drafter's chain pays from a rate of 0.15 alone
-        or in two rows, 0.25 in four, 0.4 in eight, 0.7 in sixteen), so a measurement is worth less there while
-        each still costs a pass; with 5% at every size, batch 4 with the shipped drafter decoded at 0.908x of
-        `ar` with its shadows and 0.956x without (session 35: all rows plain, 8 prompts x 64 tokens, interleaved,
-        one thread)."""
+        is the dear one: it runs over every row of the batch padded to the longest catch-up. Measured without a budget
+        (SmolLM2 bf16, the 2.01M-token drafter, batch 4, one thread on a Zen 4 core, 16 Spec-Bench prompts x 64
+        tokens; docs/results.md), `auto` decoded 99% of its rows plainly (the drafter at batch 4 runs at 0.57x of
+        `ar`) and its drafter shadows alone took 11% of `ar`'s decode time (auto 0.82x of `ar`, 0.93x without them).
+        Why the share falls with the rows: a batch's round speculates only when its rows' rates clear a bar that rises
+        with B (the latency model's per-row rule, SmolLM2 bf16: the drafter's chain pays from a rate of 0.15 alone or
+        in two rows, 0.25 in four, 0.4 in eight, 0.7 in sixteen), so a measurement is worth less there while each
+        still costs a pass; with 5% at every size, batch 4 with the shipped drafter decoded at 0.908x of `ar` with its
+        shadows and 0.956x without (all rows plain, 8 prompts x 64 tokens, interleaved, one thread on a Zen 4 core;
+        docs/results.md)."""
         self._shadow_tick += 1
         if self._shadow_tick % self.SHADOW_EVERY:
             return
@@ -356,7 +356,7 @@ class _AutoPolicy:
         is assumed every round; a lookup-first row is charged one lookup (the decoder may retry it before each
         draft step) and width 1 + max(n, gamma); the drafter's context intake is left out. Chains with one
         level under the full model (what `auto` plans); deeper chains and trees keep the per-row rule. Measured
-        with `ngram>full` only (README, session 24)."""
+        with `ngram>full` only (docs/results.md)."""
         lt, c, lv = self.latency, self.cal, self.chain[0]
         gam = run.gam[0].tolist()
         on = [b for b, g in enumerate(gam) if g > 0]
@@ -419,8 +419,8 @@ class _AutoPolicy:
         tree, the lookup alone under a lookup-first exit, or plain). A batch (B > 1) whose every row was chosen
         plain chooses again only every REDECIDE_PLAIN-th round, or at once when rows leave or join: its
         estimates move only by shadow measurements, a little per round, while the choice per row (`best_gammas`
-        for every row) grows with the batch (session 26, SmolLM2 bf16 with the drafter, batch 4, 16 prompts x 64
-        tokens, timed: `choose` 0.18 s of 8.9 s decoding, 0.07 s with this); climbing back waits at most
+        for every row) grows with the batch (SmolLM2 bf16 with the drafter, batch 4, 16 prompts x 64 tokens, one
+        Zen 4 core, timed: `choose` 0.18 s of 8.9 s decoding, 0.07 s with this); climbing back waits at most
         REDECIDE_PLAIN - 1 rounds. One row alone chooses every round."""
         B, K = self.acc.shape[0], len(self.chain) - 1
         if self.chain[0].kind == "eagle3":  # the drafter's shadow budget grows by this round at plain cost

@@ -23,8 +23,8 @@ class _PlainGuard:
     The rule above prices rounds with the calibration's single-row pass costs (scaled by `Calibration.at_batch`);
     that holds for one row but not for every batch: a verification pass spans the widest row's proposal for every
     row, and its attention runs over each row's own cache, so on a CPU a batch of 16 can pay several times the
-    predicted cost for the positions one speculating row adds (tools/batch_speed.py measured auto at 0.77x of plain
-    rows at batch 16 with the rule alone). The guard does not model that; it measures it. Two arms, per run:
+    predicted cost for the positions one speculating row adds (tools/research/batch_speed.py measured auto at 0.77x of
+    plain rows at batch 16 with the rule alone). The guard does not model that; it measures it. Two arms, per run:
     `spec` (the rule's choice, whenever it speculates for any row) and `plain` (every row one token, which is `ar`).
     Each round's wall time from `begin` (after the rule chose) to `end` (after its last commit) and the tokens it
     committed go to the arm it ran, as sums decayed over the arm's own rounds (each new round of an arm weighs its
@@ -55,8 +55,8 @@ class _PlainGuard:
     Plain rounds are measured again only while they could win soon: while speculation's measured cost per token is
     above NEAR times plain's. Below it, plain rounds would have to get 1 / NEAR times cheaper per token for the choice
     to change, and their cost moves only with the context (dearer as it grows); speculation's own cost is measured
-    every round, so where its yield falls towards plain's the explorations resume. Measured before NEAR (session 33,
-    SmolLM2 bf16, the shipped drafter's lookup-first tree, one Zen 4 core, 10 Spec-Bench prompts x 128 tokens):
+    every round, so where its yield falls towards plain's the explorations resume. Measured without NEAR (SmolLM2
+    bf16, the 3.16M-token drafter's lookup-first tree, one Zen 4 core, 10 Spec-Bench prompts x 128 tokens):
     the explorations were 30 of the 40 plain rounds in ~650, and `auto` ran 7.5% slower than the same tree without
     them (1.92 against 2.07 tokens per verification).
 
@@ -67,7 +67,7 @@ class _PlainGuard:
     while the price of a wrong early "plain" is ~EXPLORE rounds of plain decoding before speculation is looked at
     again. Measured on the demo checkpoint (SmolLM2 fp32, one Zen 4 core, 10 Spec-Bench prompts): one prompt's first
     measured round took 83 ms for 1 token against 61 ms for a plain one, and the guard decoded 36 of the next 37
-    rounds plainly, 8.5 s for 128 tokens against 7.3 s with the guard off (session 33: 4 of 10 calls so). Replayed
+    rounds plainly, 8.5 s for 128 tokens against 7.3 s with the guard off (4 of 10 calls so). Replayed
     through the guard (that run's rounds with the guard off, reshuffled into 300 calls; speculative rounds' costs
     scaled to move the break-even), judging the first rounds by capacity took `auto` from 1.85x to 1.86x of `ar`
     as measured (1.90x unguarded), from 1.38x to 1.43x with rounds 1.3x dearer (1.46x unguarded), and changed

@@ -1,13 +1,15 @@
 """Document prompts: the model's own answers become the passage of a further instruction (summarise it, extract
 from it, answer a question from it, rewrite it, translate it), which the model then answers too.
 
-Why: Spec-Bench's weakest categories for a drafter trained on self-written prompts are the ones whose prompt
-carries a long text the answer draws on (summarisation, RAG, extraction, translation: session 26's drafter 0.19-0.36
-top-1 there against 0.51-0.56 on math and STEM). A self-written prompt is at most `self_prompt_max_new_tokens` long,
-so it never carries such a text, and nothing offline supplies articles. The model's own finished answers do: a
-few hundred tokens of prose on every topic of the task mix, written in its own style. An instruction over one of
-them teaches the drafter the copy-and-condense answers those categories produce, with no text from outside the
-repository (and never a benchmark's: only training answers are used, held-out prompts' answers never).
+Why: Spec-Bench's weakest categories for a drafter trained on self-written prompts are the ones whose prompt carries a
+long text the answer draws on (summarisation, RAG, extraction, translation: SmolLM2's 2.01M-token drafter 0.19-0.36
+top-1 there against 0.51-0.56 on math and STEM,
+recipes/artifacts/smollm2-135m/eagle3/drafter_eval_spec_bench_40x128_bf16_2.01m_2400steps.txt). A self-written prompt
+is at most `self_prompt_max_new_tokens` long, so it never carries such a text, and nothing offline supplies articles.
+The model's own finished answers do: a few hundred tokens of prose on every topic of the task mix, written in its own
+style. An instruction over one of them teaches the drafter the copy-and-condense answers those categories produce,
+with no text from outside the repository (and never a benchmark's: only training answers are used, held-out prompts'
+answers never).
 
 Contract: `document_prompts(answers, tokenizer, fraction, *, seed, max_prompt_tokens, min_answer_tokens)` ->
 `[{"id", "messages": [{"role": "user", "content"}], "template"}]`. Each answer (a row of

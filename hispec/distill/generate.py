@@ -15,7 +15,7 @@ the other way: 59-60 of 64 SmolLM2 answers identical). Answers end anywhere from
 batch that keeps its ended rows pays for them until its longest row ends (SmolLM2's answers: 45% of the batch's
 row-steps; Qwen2.5-Coder's: 39%); shedding them made 64 real SmolLM2 answers 1.25x faster (bf16, one Xeon core:
 186 -> 232 tokens/s; every 16 tokens: 219). Why not refill the freed rows (continuous batching): transformers'
-`generate_batch` is paged attention, 4 tokens/s against 14 for these padded batches on a CPU (session 27), and
+`generate_batch` is paged attention, 4 tokens/s against 14 for these padded batches on a 2-core Xeon, and
 hispec's own engine serves decoding, not this. Sampled batches keep one `generate` call, so a seed gives what it
 always gave.
 

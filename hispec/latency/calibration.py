@@ -248,7 +248,7 @@ class Calibration:
     @property
     def drafter_tree_overhead(self) -> float:
         """Per round of a drafter's static tree (its tree masks over the draft entries, the nodes' gathers); the exit
-        trees' `tree_overhead` in calibrations that did not time drafter trees (before session 33)."""
+        trees' `tree_overhead` in older calibrations that did not time drafter trees."""
         return float(self.costs.get("drafter_tree_overhead", self.tree_overhead))
 
     def _fitted(self, name: str) -> float:
@@ -320,12 +320,12 @@ class Calibration:
                      "ngram": None if c.get("ngram") is None else float(c["ngram"]),
                      "step_overhead": float(c.get("step_overhead", 0.0)),
                      "layer_scale": float(c.get("layer_scale") or 1.0)}
-            for name in cls.FITTED:  # (calibrations before session 21 have none: 0)
+            for name in cls.FITTED:  # (older calibrations have none: 0)
                 if c.get(name) is not None:
                     costs[name] = float(c[name])
             if c.get("drafter"):
                 costs["drafter"] = _int_keys(c["drafter"])
-            if c.get("drafter_gates"):  # (since session 30)
+            if c.get("drafter_gates"):  # (absent from older calibrations)
                 costs["drafter_gates"] = {gate_key(float(g)): {k: float(v) for k, v in o.items()}
                                           for g, o in c["drafter_gates"].items()}
                 costs["drafter_gate"] = float(c.get("drafter_gate") or 0.0)

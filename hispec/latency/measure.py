@@ -220,7 +220,7 @@ def fit_position_overhead(runs, *, verify, o: float, scale=None) -> float:
     decode step over the calibration's median one (step 1's answers): the units are timed at the typical context, a
     run's passes at its prompt's, so `verify(p) + o` is scaled by it. Why: the excess is divided by p - 1 (~0.3 on
     SmolLM2), so a long prompt's dearer attention read as a cost per position; unscaled, one bf16 SmolLM2
-    calibration (session 34, one Zen 4 core) fitted 10.9 ms per position (a plain step is 43 ms) and predicted every
+    calibration (one Zen 4 core) fitted 10.9 ms per position (a plain step is 43 ms) and predicted every
     drafter chain at <= 1.16x of `ar`, against 1.4-1.7x measured; the same machine's runs, with the other core's
     job taking memory bandwidth, read 0.6-1.6 ms per position in one repeat and 24-68 ms in the next."""
     scale = list(scale) if scale is not None else [1.0] * len(runs)
@@ -262,7 +262,7 @@ def _fit_round_costs(model, ids_list, max_new_tokens: int, budget: Budget, step:
     runs (with one attached), `drafter_tree_overhead` from `eagle` runs of `TREE_PROBE`, then `tree_overhead` from
     `self-spec` runs of it. The drafter's runs come before the exit's tree because, under a tight budget (each
     step's runs start only while they fit), they are what `auto` plans with where a drafter is attached: Qwen2.5-
-    Coder-1.5B's calibration at the default 300 s (session 33, one Zen 4 core) had time for none of them, and
+    Coder-1.5B's calibration at the default 300 s (one Zen 4 core, the other core busy) had time for none of them, and
     priced the drafter's rounds without their overheads. `steps`: step 1's plain decode step per prompt of
     `ids_list` (None: not timed), which prices each n-gram run at its prompt's context (`fit_position_overhead`)."""
     costs = units().costs

@@ -44,7 +44,7 @@ exit's g drafts, V_ik(g+1), yielding E(a_ik, g). a_ik is the exit's own rate (pa
 
             T_k = sum_rounds p (lookups c + passes T_i + W or V + o) / sum_rounds p tokens
 
-again increasing affine in T_i. j = 0 only (a lookup before the first draft) was the formula until session 33; it
+again increasing affine in T_i. Counting j = 0 only (a lookup before the first draft)
 priced the SmolLM2 drafter's lookup-first chain at 1.54x `ar` where it ran 1.86x (Spec-Bench 40 x 128, bf16, one
 Zen 4 core), the rounds whose later lookup matched being counted as the drafter's alone. m is the n-gram's match
 rate per lookup measured under plain verification (matches come in bursts, so a lookup right after a miss matches

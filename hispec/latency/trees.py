@@ -29,9 +29,9 @@ replace the exit's passes by the drafter's and add what a drafter hierarchy pays
 
 c(x) the drafter's context (the tokens verified since it last ran), r(k) its step-0 top-k agreement moved to its
 chain rate (`_topk_rates`), and o_tree the drafter trees' own `drafter_tree_overhead` (fitted by `calibrate` on real
-rounds of a drafter tree of shape TREE_PROBE, its context intake taken out; the exit trees' fit in calibrations
-from before session 33: a drafter tree's round is not an exit tree's, so it is measured on its own). The
-lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
+rounds of a drafter tree of shape TREE_PROBE, its context intake taken out; the exit trees' fit in older
+calibrations that did not time drafter trees: a drafter tree's round is not an exit tree's, so it is measured on its
+own). The lookup-first exit with trees (`tree_time_per_token(..., lookup=True)`) mixes the two
 round kinds as the lookup-first formula (`hispec.latency.model`) does, the exit's chain round replaced by R(tree)
 and E(tree).
 """

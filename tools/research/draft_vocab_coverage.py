@@ -1,7 +1,7 @@
 """Which share of a target's own answers a draft vocabulary of each size would hold, per category (Spec-Bench by
 default): the ceiling of an EAGLE-3 drafter's agreement before any training, for choosing `eagle3_draft_vocab_size`.
 
-    python tools/draft_vocab_coverage.py --model ~/.cache/hispec/models/Qwen2.5-Coder-1.5B-Instruct \\
+    python tools/research/draft_vocab_coverage.py --model ~/.cache/hispec/models/Qwen2.5-Coder-1.5B-Instruct \\
         --feature-cache runs/qwen2.5-coder-1.5b-eagle3-data/features_s31 --sizes 8192 16384 32768 \\
         --drafter recipes/artifacts/qwen2.5-coder-1.5b-instruct/eagle3 --dtype bf16
 
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """Decoding speed by batch size: does `auto` stay at or above plain decoding when many rows decode together?
 
-    python tools/batch_speed.py --model CK --batch-sizes 1,4,16 --num-prompts 16 --max-new-tokens 64 --threads 1
+    python tools/research/batch_speed.py --model CK --batch-sizes 1,4,16 --num-prompts 16 --max-new-tokens 64 --threads 1
 
 `hispec-bench` times one prompt at a time; this times `model.generate` on left-padded batches of Spec-Bench prompts
 (chat template), per batch size, for:
@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 STRATEGIES = ("hf", "ar", "auto", "auto-batch-blind")
 
@@ -57,7 +57,7 @@ def batch_blind():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="batch_speed", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a calibrated hispec checkpoint folder")
-    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/eval/spec_bench_question.jsonl"))
+    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "data/eval/spec_bench_question.jsonl"))
     p.add_argument("--num-prompts", type=int, default=16, help="prompts per batch size (spread over categories)")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=64)

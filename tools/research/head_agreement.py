@@ -1,6 +1,6 @@
 """Agreement of a checkpoint's exit heads with the model's final layer on real prompts, by frontier distance.
 
-    python tools/head_agreement.py --model CKPT [CKPT2 ...] --prompts data/eval/spec_bench_question.jsonl \
+    python tools/research/head_agreement.py --model CKPT [CKPT2 ...] --prompts data/eval/spec_bench_question.jsonl \
         --num-prompts 40 --max-new-tokens 96 --dtype bf16 --threads 1
 
 For each prompt the model answers greedily (plain decoding); prompt + answer are then teacher-forced once and, at
@@ -22,14 +22,18 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-import hispec
-from hispec.distill.items import Sequence
-from hispec.distill.metrics import EXIT_NAMES, exit_head_predictions
-from hispec.prompts import load_prompts, render
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import hispec  # noqa: E402
+from hispec.distill.items import Sequence  # noqa: E402
+from hispec.distill.metrics import EXIT_NAMES, exit_head_predictions  # noqa: E402
+from hispec.prompts import load_prompts, render  # noqa: E402
 
 
 REUSE_MATCH = 0.98  # share of an earlier checkpoint's answer its final layer must reproduce for the answer to be reused

@@ -2,7 +2,7 @@
 
     python tools/drafter_eval.py --run runs/curve/140k --num-prompts 40 --max-new-tokens 128 --dtype bf16 \
         --threads 1 --json-out runs/curve/140k.eval.json        # (the same command for every drafter)
-    python tools/data_curve.py --point runs/curve/140k.eval.json runs/curve/140k \
+    python tools/research/data_curve.py --point runs/curve/140k.eval.json runs/curve/140k \
         --point runs/curve/570k.eval.json runs/smollm2-135m-eagle3 --plot data_curve.png --json-out curve.json
 
 Each `--point EVAL_JSON RUN_DIR` is one drafter: `tools/drafter_eval.py`'s result on held-out prompts and the
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SAME = ("prompts", "num_prompts", "max_new_tokens", "dtype")
 

@@ -1,6 +1,6 @@
 """Head quality across training runs: one table, per-category agreement, curves, from `hispec-probe --eval-heads`.
 
-    python tools/head_report.py \
+    python tools/research/head_report.py \
         --run "30k linear"  runs/eval/s1.json      runs/s1-heads \
         --run "328k linear" runs/eval/shipped.json recipes/artifacts/smollm2-135m \
         --run "655k layer"  runs/eval/layer.json   runs/full-layer \
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 class ReportError(ValueError):

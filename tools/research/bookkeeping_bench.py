@@ -1,8 +1,8 @@
 """How much time the decoder's output bookkeeping (`_Run.commit`: hand over committed tokens, EOS, stop strings,
 streaming) takes over one long generation, and whether it grows with the output.
 
-    python tools/bookkeeping_bench.py                       # this checkout's hispec
-    python tools/bookkeeping_bench.py --repo /tmp/before    # another checkout's (e.g. before commit became linear)
+    python tools/research/bookkeeping_bench.py                       # this checkout's hispec
+    python tools/research/bookkeeping_bench.py --repo /tmp/before    # another checkout's (e.g. before commit became linear)
 
 A tiny random llama (tests/tiny.py, context widened) generates `--tokens` new tokens greedily with strategy `ar`
 (one token per round: the most rounds, so the most bookkeeping) and no EOS, once without and once with stop strings
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Is plain transformers greedy decoding itself invariant to how rows are batched, in a given dtype?
 
-    python tools/batch_invariance.py --model ~/.cache/hispec/models/SmolLM2-135M-Instruct --dtype bf16
+    python tools/research/batch_invariance.py --model ~/.cache/hispec/models/SmolLM2-135M-Instruct --dtype bf16
 
 Runs `generate(do_sample=False)` on Spec-Bench prompts one at a time and again in left-padded batches, and
 reports for each prompt whose new tokens differ where they split and the fp32 logit margin between the two
@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="batch_invariance", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[1] / "data/eval/spec_bench_question.jsonl"))
+    p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "data/eval/spec_bench_question.jsonl"))
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
