@@ -109,6 +109,15 @@ def write_json(path: str | os.PathLike, data: dict) -> Path:
     return write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def emit_result(result: dict, json_out: str | os.PathLike | None = None) -> int:
+    """A tool's last act: write `result` to `json_out` (when given, atomically) and print it as the one JSON line
+    every benchmark and report ends with; returns 0, the exit status."""
+    if json_out:
+        write_text(json_out, json.dumps(result, indent=1))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 def resolve_file(name_or_path: str, filename: str, revision: str | None = None) -> str:
     """Path of `filename` inside a local folder, or downloaded from the Hub repo `name_or_path`."""
     local = Path(name_or_path).expanduser()

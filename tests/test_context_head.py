@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decoding import STRATEGIES, _chi2_pvalue, _draw, _exact_joint, _hf_greedy, _ragged, _wrap
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, assert_same_decoding_after_a_round_trip, five_token_llama, tiny_model
 
 import hispec
 from hispec import decoding
@@ -170,17 +170,7 @@ def test_the_decoder_hands_context_heads_exactly_what_a_whole_sequence_run_compu
 
 @pytest.mark.parametrize("strategy", ["self-spec", "hispec", "ngram-hispec", "hispec-lookup"])
 def test_sampling_with_context_heads_matches_the_exact_distribution(strategy):
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    base = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in base.parameters():
-            p.copy_(torch.randn_like(p) * 0.6)
-    base.eval()
-    model = _perturb(_wrap(base, head_type="context", draft=1, verify=2, context={"window": 3, "heads": 2,
+    model = _perturb(_wrap(five_token_llama(0), head_type="context", draft=1, verify=2, context={"window": 3, "heads": 2,
                                                                                    "head_dim": 4}, context_mid=True),
                      scale=2.0)
     prompt, n, warp = [1, 3, 2], 3, dict(temperature=1.0)
@@ -191,17 +181,9 @@ def test_sampling_with_context_heads_matches_the_exact_distribution(strategy):
 
 def test_context_heads_round_trip_through_a_checkpoint(tmp_path):
     model = _context_model("qwen3", mid=True, window=5, draft=2, verify=3)
-    model.save(tmp_path / "ck")
-    loaded = hispec.load(tmp_path / "ck")
-    cfg = loaded.hispec_config
+    cfg = assert_same_decoding_after_a_round_trip(model, tmp_path / "ck").hispec_config
     assert cfg.head_type == "context" and cfg.context == {"window": 5, "heads": 2, "head_dim": 8, "frontier": 1}
     assert cfg.context_layers == {"draft": [2, 3, model.num_layers], "verify": [3, model.num_layers]}
-    for k, v in model.heads_state_dict().items():
-        assert torch.equal(loaded.heads_state_dict()[k], v), k
-    ids, am = _ragged(2, 7)
-    a = model.generate(ids, am, max_new_tokens=10, strategy="hispec", gamma=2, window=3)
-    b = loaded.generate(ids, am, max_new_tokens=10, strategy="hispec", gamma=2, window=3)
-    assert torch.equal(a.sequences, b.sequences) and a.stats.accepted_at_verify == b.stats.accepted_at_verify
 
 
 def test_a_checkpoint_from_before_the_frontier_path_loads_without_it(tmp_path):

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, five_token_llama, negate_exits, tiny_model
 
 import hispec
 from hispec import sampling
@@ -23,6 +23,15 @@ def _wrap(base, head_type="shared", draft=2, verify=4, **kw):
     base.generation_config.eos_token_id = None
     base.generation_config.pad_token_id = 0
     return hispec.EarlyExitModel.from_base(base, draft_layer=draft, verify_layer=verify, head_type=head_type, **kw)
+
+
+def _linear_heads(family):
+    """A tiny model of `family` with linear heads nudged off the identity, so rows accept different counts."""
+    model = _wrap(tiny_model(family), head_type="linear")
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
 
 
 def _ragged(B, P, seed=0, vocab=97):
@@ -52,10 +61,7 @@ def test_greedy_equals_hf_generate_for_every_strategy(family):
 
 @pytest.mark.parametrize("batch_size", range(1, 9))
 def test_each_row_equals_its_single_sequence_run(batch_size):
-    model = _wrap(tiny_model("qwen2"), head_type="linear")
-    with torch.no_grad():  # a non-trivial head so rows accept different counts
-        for p in model.heads.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = _linear_heads("qwen2")
     ids, am = _ragged(batch_size, 8, seed=batch_size)
     ref = _hf_greedy(model.base, ids, am, 13)
     for strategy in SPECULATIVE:
@@ -133,10 +139,7 @@ def test_oracle_heads_accept_everything_and_no_position_is_processed_twice(strat
 
 
 def test_heads_that_accept_nothing_still_give_identical_output():
-    model = _wrap(tiny_model("gemma3"), head_type="linear")
-    with torch.no_grad():  # y + W y = -y: the exits' logits are negated
-        for head in model.heads.values():
-            head.adapter.weight.copy_(-2 * torch.eye(head.adapter.weight.shape[0]))
+    model = negate_exits(_wrap(tiny_model("gemma3"), head_type="linear"))
     ids, am = _ragged(3, 8)
     ref = _hf_greedy(model.base, ids, am, 12)
     for strategy in SPECULATIVE:
@@ -280,10 +283,7 @@ class _RandomGammas:
 def test_rows_switching_levels_on_and_off_every_round_stay_identical(family):
     """Per-row gammas, 0 = the row does not use that level or any below it (down to plain decoding), changed at
     random every round in one batch: greedy output is still transformers' own, for every hierarchy."""
-    model = _wrap(tiny_model(family), head_type="linear")
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = _linear_heads(family)
     ids, am = _ragged(5, 9, seed=4)
     ref = _hf_greedy(model.base, ids, am, 15)
     for strategy in SPECULATIVE:
@@ -316,17 +316,7 @@ def test_empty_prompt_is_refused():
 
 # ---------------------------------------------------------------------------------------------- sampling
 def _tiny_vocab_model(seed=0, head_type="linear"):
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    base = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in base.parameters():
-            p.copy_(torch.randn_like(p) * 0.6)
-    base.eval()
-    model = _wrap(base, head_type=head_type, draft=1, verify=2)
+    model = _wrap(five_token_llama(seed), head_type=head_type, draft=1, verify=2)
     with torch.no_grad():  # heads clearly different from the final layer: q != r != p
         for head in model.heads.values():
             head.adapter.weight.copy_(torch.randn_like(head.adapter.weight) * 0.8)
@@ -452,10 +442,7 @@ def test_the_distribution_test_sees_the_reference_codes_capping(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_output_is_the_same_under_either_verification(family):
     """Greedy decoding matches exact prefixes: `verification` changes nothing (also in the checkpoint default)."""
-    model = _wrap(tiny_model(family), head_type="linear")
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = _linear_heads(family)
     ids, am = _ragged(3, 8, seed=2)
     ref = _hf_greedy(model.base, ids, am, 14)
     for strategy in SPECULATIVE:

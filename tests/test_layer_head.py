@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decoding import _chi2_pvalue, _draw, _exact_joint, _hf_greedy, _ragged, _tiny_vocab_model, _wrap
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, assert_same_decoding_after_a_round_trip, tiny_model
 
-import hispec
 from hispec.layers import positions_from_mask
 
 
@@ -96,12 +95,4 @@ def test_sampling_with_layer_heads_matches_the_exact_distribution(strategy):
 
 def test_layer_heads_round_trip_through_a_checkpoint(tmp_path):
     model = _layer_model("qwen3", draft=2, verify=3)
-    model.save(tmp_path / "ck")
-    loaded = hispec.load(tmp_path / "ck")
-    assert loaded.hispec_config.head_type == "layer"
-    for k, v in model.heads_state_dict().items():
-        assert torch.equal(loaded.heads_state_dict()[k], v), k
-    ids, am = _ragged(2, 7)
-    a = model.generate(ids, am, max_new_tokens=10, strategy="hispec", gamma=2, window=3)
-    b = loaded.generate(ids, am, max_new_tokens=10, strategy="hispec", gamma=2, window=3)
-    assert torch.equal(a.sequences, b.sequences) and a.stats.accepted_at_verify == b.stats.accepted_at_verify
+    assert assert_same_decoding_after_a_round_trip(model, tmp_path / "ck").hispec_config.head_type == "layer"

@@ -10,7 +10,7 @@ import torch
 from test_context_head import _context_model
 from test_decoding import (_chi2_pvalue, _exact_joint, _hf_greedy, _oracle, _ragged, _tiny_vocab_model, _wrap)
 from test_layer_head import _layer_model
-from tiny import FAMILIES, tiny_model
+from tiny import FAMILIES, negate_exits, tiny_model
 
 from hispec import sampling
 from hispec.decoding import dynamic_tree, tree as tree_mod
@@ -150,10 +150,7 @@ def test_wider_trees_accept_more_per_full_pass():
 
 
 def test_heads_that_accept_nothing_still_give_identical_output():
-    model = _wrap(tiny_model("gemma3"), head_type="linear")
-    with torch.no_grad():  # y + W y = -y: the exits' logits are negated
-        for head in model.heads.values():
-            head.adapter.weight.copy_(-2 * torch.eye(head.adapter.weight.shape[0]))
+    model = negate_exits(_wrap(tiny_model("gemma3"), head_type="linear"))
     ids, am = _ragged(3, 8)
     ref = _hf_greedy(model.base, ids, am, 12)
     out = model.generate(ids, am, max_new_tokens=12, strategy="self-spec", tree=[2, 2, 1])

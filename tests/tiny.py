@@ -59,6 +59,46 @@ CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfo
         "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
+def five_token_llama(seed: int = 0):
+    """A 4-layer llama over a 5-token vocabulary with large random weights: its sequence distributions are far from
+    uniform and small enough to enumerate exactly (the chi-square tests of sampling)."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    base = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(torch.randn_like(p) * 0.6)
+    return base.eval()
+
+
+def negate_exits(model):
+    """Make every exit head of `model` (linear heads) negate its input (y + W y = -y): exits that never agree with the
+    model, so every draft is rejected."""
+    with torch.no_grad():
+        for head in model.heads.values():
+            head.adapter.weight.copy_(-2 * torch.eye(head.adapter.weight.shape[0]))
+    return model
+
+
+def assert_same_decoding_after_a_round_trip(model, folder, **generate):
+    """Save `model`, load it back with `hispec.load`, and check the heads and a `hispec` decoding are the same."""
+    import hispec
+
+    model.save(folder)
+    loaded = hispec.load(folder)
+    for k, v in model.heads_state_dict().items():
+        assert torch.equal(loaded.heads_state_dict()[k], v), k
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0  # a left-padded row
+    ids[am == 0] = 0
+    a = model.generate(ids, am, max_new_tokens=10, strategy="hispec", gamma=2, window=3, **generate)
+    b = loaded.generate(ids, am, max_new_tokens=10, strategy="hispec", gamma=2, window=3, **generate)
+    assert torch.equal(a.sequences, b.sequences) and a.stats.accepted_at_verify == b.stats.accepted_at_verify
+    return loaded
+
+
 def char_tokenizer():
     """A 52-symbol character-level tokenizer with <pad>/<s>/</s>/<unk> and a chat template (fits vocab 97)."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers

@@ -26,7 +26,6 @@ measures the whole latency model (acceptances, heads as exported, the decoder's 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -232,10 +231,9 @@ def main(argv=None) -> int:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
-    return 0
+    from hispec.io import emit_result
+
+    return emit_result(result, args.json_out)
 
 
 if __name__ == "__main__":

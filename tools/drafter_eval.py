@@ -22,7 +22,6 @@ expensive part -- followed by a table of top1@0 and accepted drafts per round si
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -171,10 +170,9 @@ def main(argv=None) -> int:
         _side_by_side(results)
         result = {"prompts": str(args.prompts), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                   "dtype": args.dtype, "runs": results, "seconds": seconds}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
-    return 0
+    from hispec.io import emit_result
+
+    return emit_result(result, args.json_out)
 
 
 if __name__ == "__main__":

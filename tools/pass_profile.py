@@ -185,7 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-mb", type=int, default=256,
                    help="size of the matrix the weight-read bandwidth is measured on, in MB (default 256: far "
                         "beyond the caches)")
-    p.add_argument("--no-pack", action="store_true", help="stock linear kernels instead of hispec.packed's")
+    p.add_argument("--kernels", choices=("auto", "packed", "stock"), default="auto",
+                   help="linear kernels: as hispec.load chooses them on this CPU (auto, hispec.packed's measured "
+                        "choice), oneDNN-prepacked, or stock")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -193,19 +195,20 @@ def main(argv=None) -> int:
 
     import hispec
     from hispec import packed
-    from hispec.io import cpu_model, parse_dtype
+    from hispec.io import cpu_model, emit_result, parse_dtype
 
     torch.set_num_threads(args.threads)
     positions = [int(t) for t in args.positions.split(",")]
+    pack = {"auto": None, "packed": True, "stock": False}[args.kernels]
     results = []
     for name in args.dtype.split(","):
         dtype = parse_dtype(name)
         cfg = Path(args.model) / "config.json"
         if cfg.is_file() and "hispec" in json.loads(cfg.read_text()):
-            model = hispec.load(args.model, dtype=name, pack=not args.no_pack and None)
+            model = hispec.load(args.model, dtype=name, pack=pack)
         else:
             model = hispec.EarlyExitModel.from_base(args.model, 1, 2, "shared", dtype=name)
-            packed.apply(model, False if args.no_pack else None)
+            packed.apply(model, pack)
         kernels = packed.kind(model.base)
         nbytes = weight_bytes(model)
         bw = read_bandwidth(dtype, mbytes=args.bandwidth_mb)
@@ -229,10 +232,7 @@ def main(argv=None) -> int:
     summary = {"tool": "pass_profile", "model": args.model, "cpu": cpu_model(),
                "capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
                "context": args.context, "rows": results}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
-    return 0
+    return emit_result(summary, args.json_out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ with a larger `eagle3_draft_vocab_size`. Prints a table and ends with one JSON l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -109,10 +108,9 @@ def main(argv=None) -> int:
               "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "sizes": sizes, "drafters": [n for n, _ in drafters], "coverage": rows,
               "seconds": round(time.time() - t0, 1)}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
-    return 0
+    from hispec.io import emit_result
+
+    return emit_result(result, args.json_out)
 
 
 if __name__ == "__main__":
