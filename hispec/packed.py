@@ -31,8 +31,10 @@ transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock s
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
 is the whole model streaming its weights. So the default (`pack=None`) packs the model, times its own forward over
 1 and 4 positions (`speed_ratio`: packed against `stock()`, interleaved, best of 3; ~1 s for SmolLM2 in fp32, a
-few for a 1.5B model), and keeps the packed kernels only where they took at most `PAYS_BELOW` of the stock time;
-the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
+few for a 1.5B model), and keeps the packed kernels where they took at most `PAYS_BELOW` of the stock time: for
+every input, or only for inputs of 2+ rows where they pay over 4 positions but not over one (`min_rows_that_pay`;
+fp32 SmolLM2 on an AVX2-only EPYC core, tools/pass_profile.py: a one-position pass 72 ms stock against 92 ms
+packed, two positions 137 against 93, four 132 against 117); the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
 that only the first load measures (`measured_ratio` reads it).
 `pack=True` / `--pack` and `pack=False` / `--no-pack` decide as told.
 
@@ -59,6 +61,8 @@ from torch import nn
 from .io import cpu_model, write_json
 
 KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorded in latency calibrations)
+KIND_MANY = "onednn-packed-from-2-rows"  # packed for products over 2+ positions, stock for one (`min_rows` 2)
+MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-position pass
 STOCK = "stock"
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
@@ -135,7 +139,14 @@ class PackedLinear(nn.Linear):
         self.bias = linear.bias
         self._packed = None
         self._key = None
+        self.set_min_rows(1)
         available(linear.weight.dtype)  # probe once, so `covers` knows whether this CPU packs the dtype
+
+    def set_min_rows(self, n: int) -> None:
+        """Use the packed product only for inputs of at least `n` rows (positions x batch); fewer go to the stock
+        kernel (`min_rows_that_pay`: on some CPUs the stock one-row product is a faster GEMV)."""
+        self.min_rows = int(n)
+        self._min_numel = self.min_rows * self.in_features
 
     @classmethod
     def wrap(cls, linear: nn.Linear) -> PackedLinear:
@@ -164,7 +175,7 @@ class PackedLinear(nn.Linear):
         the op's resolved overload took 54 instead of 58 us per 576 x 1536 bf16 product, one Zen 4 core)."""
         w = self.weight
         return (x.is_cpu and w.is_cpu and x.dtype == w.dtype and w.dtype in _packable and x.dim() >= 2
-                and x.shape[-1] == self.in_features and _enabled.get()
+                and x.shape[-1] == self.in_features and x.numel() >= self._min_numel and _enabled.get()
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,9 +194,10 @@ class PackedLinear(nn.Linear):
         return super().extra_repr() + ", packed=oneDNN"
 
 
-def pack(module: nn.Module) -> int:
-    """Replace every `nn.Linear` under `module` (in place) by a `PackedLinear` sharing its Parameters; returns how
-    many were replaced (already packed ones are left as they are). Raises `PackingUnavailable` when this torch
+def pack(module: nn.Module, min_rows: int = 1) -> int:
+    """Replace every `nn.Linear` under `module` (in place) by a `PackedLinear` sharing its Parameters, used for inputs
+    of at least `min_rows` rows (`PackedLinear.set_min_rows`); returns how many were replaced (already packed ones
+    keep their place and take `min_rows`). Raises `PackingUnavailable` when this torch
     cannot (no oneDNN), when the module is not on the CPU, or when this CPU packs none of its linears' dtypes (fp32
     and bf16 are the candidates; bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)."""
     if not available():
@@ -207,15 +219,19 @@ def pack(module: nn.Module) -> int:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype in _packable:
-                setattr(parent, name, PackedLinear.wrap(child))
+                child = PackedLinear.wrap(child)
+                setattr(parent, name, child)
                 n += 1
+            if isinstance(child, PackedLinear):
+                child.set_min_rows(min_rows)
     return n
 
 
 def kind(module: nn.Module) -> str:
-    """`KIND` when `module` holds packed linears, else `STOCK` (what a latency calibration records: packed and
-    unpacked models have different costs)."""
-    return KIND if any(isinstance(m, PackedLinear) for m in module.modules()) else STOCK
+    """`KIND` when `module` holds packed linears used for every input, `KIND_MANY` when they serve 2+ rows only, else
+    `STOCK` (what a latency calibration records: the kernels set the costs)."""
+    rows = {m.min_rows for m in module.modules() if isinstance(m, PackedLinear)}
+    return STOCK if not rows else (KIND if 1 in rows else KIND_MANY)
 
 
 @contextlib.contextmanager
@@ -240,10 +256,13 @@ def for_generation(module: nn.Module):
                         if type(child) is nn.Linear and child.weight.dtype in packable_dtypes():
                             swapped.append((parent, name, child))
                             setattr(parent, name, PackedLinear.wrap(child))
-                if _ratio_for(module) > PAYS_BELOW:  # no gain on this CPU: the stock kernels again
+                rows = min_rows_that_pay(_ratio_for(module))
+                if rows is None:  # no gain on this CPU: the stock kernels again
                     for parent, name, child in reversed(swapped):
                         setattr(parent, name, child)
                     swapped = []
+                for parent, name, _ in swapped:
+                    getattr(parent, name).set_min_rows(rows)
         yield len(swapped)
     finally:
         for parent, name, child in reversed(swapped):
@@ -272,10 +291,11 @@ def _pays_key(module: nn.Module) -> tuple:
     return (type(module).__name__, sum(q.numel() for q in module.parameters()), p.dtype, torch.get_num_threads())
 
 
-def speed_ratio(module: nn.Module, rows=(1, 4), repeats: int = 3) -> float:
-    """Time of a causal LM's forward (random token ids, no cache; `rows` positions, times summed, each the best of
+def speed_ratio(module: nn.Module, rows=(1, MANY), repeats: int = 3) -> dict[int, float]:
+    """Time of a causal LM's forward (random token ids, no cache; over each of `rows` positions, the best of
     `repeats`) with its linears prepacked over the time with the stock kernels, on this CPU at the current thread
-    count: < 1 where packing is faster. Packs `module` (in place) to measure and leaves it packed."""
+    count, per positions count: `{1: r1, 4: r4}`, < 1 where packing is faster. Packs `module` (in place) to measure
+    and leaves it packed."""
     pack(module)
     vocab = module.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
@@ -291,7 +311,24 @@ def speed_ratio(module: nn.Module, rows=(1, 4), repeats: int = 3) -> float:
                         t0 = time.perf_counter()
                         module(input_ids=x, use_cache=False)
                         best[packed_kernels][i] = min(best[packed_kernels][i], time.perf_counter() - t0)
-    return sum(best[True]) / max(sum(best[False]), 1e-12)
+    return {t: best[True][i] / max(best[False][i], 1e-12) for i, t in enumerate(rows)}
+
+
+def _ratios(measured) -> dict[int, float]:
+    """A measured ratio as `{positions: ratio}`: from such a dict (JSON keys are strings) or one number for all."""
+    if isinstance(measured, (int, float)):
+        return {1: float(measured), MANY: float(measured)}
+    return {int(k): float(v) for k, v in measured.items()}
+
+
+def min_rows_that_pay(measured) -> int | None:
+    """The fewest rows from which the packed kernels pay (take at most `PAYS_BELOW` of the stock time): 1, 2 (they
+    pay over several positions but not over one: where the stock one-row product is a fast GEMV, e.g. fp32 on an
+    AVX2-only EPYC, tools/pass_profile.py), or None (never)."""
+    r = _ratios(measured)
+    if r[1] <= PAYS_BELOW:
+        return 1
+    return 2 if r[MANY] <= PAYS_BELOW else None
 
 
 def memo_path() -> Path | None:
@@ -301,7 +338,7 @@ def memo_path() -> Path | None:
     return Path(root).expanduser() / "packing.json"
 
 
-def _ratio_for(module: nn.Module) -> float:
+def _ratio_for(module: nn.Module) -> dict[int, float]:
     """`speed_ratio(module)`, measured once per process and machine (see `memo_path`); packs `module` when it
     measures."""
     key = _pays_key(module)
@@ -313,30 +350,31 @@ def _ratio_for(module: nn.Module) -> float:
         memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except (OSError, ValueError):
         memo = {}  # unreadable: measure again and rewrite it
-    if not isinstance(memo.get(disk_key), (int, float)):
-        memo[disk_key] = speed_ratio(module)
+    if not isinstance(memo.get(disk_key), dict):  # (a single number: an older memo's sum over sizes; measure again)
+        memo[disk_key] = {str(k): v for k, v in _ratios(speed_ratio(module)).items()}
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_json(path, memo)
             except OSError:
                 pass  # a read-only home: the answer still holds for this process
-    _pays[key] = float(memo[disk_key])
+    _pays[key] = _ratios(memo[disk_key])
     return _pays[key]
 
 
-def pack_if_it_pays(module: nn.Module) -> bool:
-    """Pack `module` (a causal LM on CPU) and keep it packed only where `speed_ratio` <= `PAYS_BELOW` (measured once
-    per machine for its architecture, size, dtype and thread count: `_ratio_for`); returns whether it stays
-    packed."""
-    if _ratio_for(module) <= PAYS_BELOW:
-        pack(module)
-        return True
+def pack_if_it_pays(module: nn.Module) -> int | None:
+    """Pack `module` (a causal LM on CPU) where `speed_ratio` <= `PAYS_BELOW`, for the inputs it pays on
+    (`min_rows_that_pay`; measured once per machine for its architecture, size, dtype and thread count:
+    `_ratio_for`); returns that `min_rows`, or None when it stays unpacked."""
+    rows = min_rows_that_pay(_ratio_for(module))
+    if rows is not None:
+        pack(module, rows)
+        return rows
     unpack(module)
-    return False
+    return None
 
 
-def measured_ratio(module: nn.Module) -> float | None:
+def measured_ratio(module: nn.Module) -> dict[int, float] | None:
     """The `speed_ratio` measured for a module like `module` (architecture, size, dtype, threads), or None."""
     return _pays.get(_pays_key(module))
 
@@ -387,12 +425,15 @@ def apply(model, pack_arg=None):
                               "decoding uses the stock kernels (hispec.load(..., pack=True) packs regardless)",
                               stacklevel=2)
                 return model
-            if not pack_if_it_pays(model.base):  # heads and drafter follow the base's measured answer
+            rows = pack_if_it_pays(model.base)  # heads and drafter follow the base's measured answer
+            if rows is None:
                 return model
-        pack(model.base)
-        pack(model.heads)
+        else:
+            rows = 1
+        pack(model.base, rows)
+        pack(model.heads, rows)
         if getattr(model, "drafter", None) is not None:  # an EAGLE-3 drafter's layer, fc and lm_head too
-            pack(model.drafter)
+            pack(model.drafter, rows)
         model.adapter.refresh_modules()  # its lm_head (and other parts) were replaced
     return model
 

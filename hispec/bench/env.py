@@ -31,4 +31,4 @@ def model_info(model) -> dict:
             "head_type": h.head_type, "gamma": h.gamma, "window": h.window,
             "draft_vocab_size": h.draft_vocab_size, "verify_vocab_size": h.verify_vocab_size,
             "dtype": str(model.dtype).replace("torch.", ""), "linear": packed.kind(model.base),
-            "packed_time_ratio": packed.measured_ratio(model.base)}
+            "packed_time_ratio": {str(t): r for t, r in (packed.measured_ratio(model.base) or {}).items()} or None}

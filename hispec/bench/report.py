@@ -24,9 +24,10 @@ def format_table(summary: Summary) -> str:
         f"model {m['name_or_path']} ({m['num_layers']} layers, exits {m['draft_layer']}/{m['verify_layer']}, "
         f"{m['head_type']} heads, {m['dtype']}); {len(summary.per_prompt)} prompts x {cfg.max_new_tokens} new tokens, "
         f"{'greedy' if cfg.greedy else f'temperature {cfg.temperature}'}, repeats {cfg.repeats}",
-        f"linear kernels: {m.get('linear', '?')}" + ("" if m.get("packed_time_ratio") is None else
-                                                     f" (prepacked / stock product time here: "
-                                                     f"{m['packed_time_ratio']:.2f})"),
+        f"linear kernels: {m.get('linear', '?')}" + ("" if not m.get("packed_time_ratio") else
+                                                     " (prepacked / stock forward time here: " + ", ".join(
+                                                         f"{r:.2f} at {t} position(s)" for t, r in
+                                                         sorted(m["packed_time_ratio"].items(), key=lambda kv: int(kv[0]))) + ")"),
         f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}, transformers {hw['transformers']}",
         "",
         f"{'strategy':<{sw}}{'tok/s':>8}{'vs hf':>8}{'vs s-s':>8}{'tok/pass':>9}{'acc L_i':>8}{'acc L':>7}"
