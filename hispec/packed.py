@@ -31,10 +31,10 @@ transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock s
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
 is the whole model streaming its weights. So the default (`pack=None`) packs the model, times its own forward over
 1 and 4 positions (`speed_ratio`: packed against `stock()`, interleaved, best of 3; ~1 s for SmolLM2 in fp32, a
-few for a 1.5B model), and keeps the packed kernels where they took at most `PAYS_BELOW` of the stock time: for
-every input, or only for inputs of 2+ rows where they pay over 4 positions but not over one (`min_rows_that_pay`;
-fp32 SmolLM2 on an AVX2-only EPYC core, tools/pass_profile.py: a one-position pass 72 ms stock against 92 ms
-packed, two positions 137 against 93, four 132 against 117); the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
+few for a 1.5B model), with each kernel (the packed one and a transposed copy, `x @ W^T` from an `[in, out]` copy),
+and keeps per input size the fastest that took at most `PAYS_BELOW` of the stock time (`kernels_that_pay`: one
+kernel for one-row products, one for the rest; fp32 SmolLM2 on an AVX2-only EPYC core, tools/pass_profile.py: a
+one-position pass 72 ms stock against 92 ms packed, two positions 137 against 93); the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
 that only the first load measures (`measured_ratio` reads it).
 `pack=True` / `--pack` and `pack=False` / `--no-pack` decide as told.
 
@@ -61,9 +61,11 @@ from torch import nn
 from .io import cpu_model, write_json
 
 KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorded in latency calibrations)
-KIND_MANY = "onednn-packed-from-2-rows"  # packed for products over 2+ positions, stock for one (`min_rows` 2)
-MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-position pass
 STOCK = "stock"
+PACKED = KIND  # a kernel: the oneDNN-prepacked product
+TRANSPOSED = "transposed"  # a kernel: x @ W^T from a contiguous [in, out] copy of W (a one-row product as long reads)
+KERNELS = (STOCK, PACKED, TRANSPOSED)
+MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-position pass
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
 MEMORY_SHARE = 0.7  # default packing only when the copies fit in this share of the available memory
@@ -128,25 +130,36 @@ def stock():
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` (same `weight` / `bias` Parameters) that multiplies through a oneDNN-prepacked copy of its
-    weight. The copy is made on first use and remade when the weight changes (in-place update, `.to()`); it is not
-    part of the state dict and is dropped by copy / pickle."""
+    """An `nn.Linear` (same `weight` / `bias` Parameters) that multiplies through the kernel chosen for its input's
+    size: `one` for one-row inputs (one position of one row: a decoding step), `many` for the rest (verification
+    passes, batches, prompts). Kernels: `PACKED` (a oneDNN-prepacked copy of the weight), `TRANSPOSED` (a contiguous
+    `[in, out]` copy, `x @ copy`: a one-row product reads the weight as long contiguous rows, measured faster than
+    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py) and `STOCK` (`nn.functional.linear`). The copies are
+    made on first use and remade when the weight changes (in-place update, `.to()`); they are not part of the state
+    dict and are dropped by copy / pickle."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) and readers stay intact
         self.bias = linear.bias
-        self._packed = None
-        self._key = None
-        self.set_min_rows(1)
-        available(linear.weight.dtype)  # probe once, so `covers` knows whether this CPU packs the dtype
+        self._packed = self._transposed = None
+        self._key = self._tkey = None
+        available(linear.weight.dtype)  # probe once, so the kernels know whether this CPU packs the dtype
+        self.set_kernels(PACKED, PACKED)
 
-    def set_min_rows(self, n: int) -> None:
-        """Use the packed product only for inputs of at least `n` rows (positions x batch); fewer go to the stock
-        kernel (`min_rows_that_pay`: on some CPUs the stock one-row product is a faster GEMV)."""
-        self.min_rows = int(n)
-        self._min_numel = self.min_rows * self.in_features
+    def set_kernels(self, one: str, many: str, keep_copies: bool = False) -> None:
+        """The kernels for one-row inputs and for the rest (`KERNELS`); `PACKED` where this CPU cannot pack the
+        weight's dtype runs `STOCK`. A copy no kernel uses any more is dropped, unless `keep_copies` (timing them
+        in turn)."""
+        ok = self.weight.dtype in _packable
+        self.one, self.many = [k if k != PACKED or ok else STOCK for k in (one, many)]
+        if keep_copies:
+            return
+        if PACKED not in (self.one, self.many):
+            self._packed = self._key = None
+        if TRANSPOSED not in (self.one, self.many):
+            self._transposed = self._tkey = None
 
     @classmethod
     def wrap(cls, linear: nn.Linear) -> PackedLinear:
@@ -157,7 +170,7 @@ class PackedLinear(nn.Linear):
         return out
 
     def _weight_key(self):
-        w = self.weight  # (the device is checked per call: `covers`)
+        w = self.weight  # (the device is checked per call: `_kernel`)
         return w.data_ptr(), w._version, w.dtype
 
     def packed_weight(self) -> torch.Tensor:
@@ -168,36 +181,54 @@ class PackedLinear(nn.Linear):
             self._key = key
         return self._packed
 
-    def covers(self, x: torch.Tensor) -> bool:
-        """Whether the packed product applies to `x` (else `forward` falls back to `nn.functional.linear`).
-        Ordered cheapest first, attribute reads that cost ~0.1 us: `forward` runs ~200 times per pass of a
-        30-layer model, where every microsecond is 0.5% of a 135M model's one-row pass (measured: this form and
-        the op's resolved overload took 54 instead of 58 us per 576 x 1536 bf16 product, one Zen 4 core)."""
+    def transposed_weight(self) -> torch.Tensor:
+        key = self._weight_key()
+        if self._transposed is None or self._tkey != key:
+            with torch.no_grad():
+                self._transposed = self.weight.detach().t().contiguous()
+            self._tkey = key
+        return self._transposed
+
+    def _kernel(self, x: torch.Tensor) -> str:
+        """The kernel for `x`: `one` / `many` by its size, `STOCK` where none applies (another device or dtype,
+        autograd on the weight, `stock()`). Ordered cheapest first, attribute reads that cost ~0.1 us: `forward`
+        runs ~200 times per pass of a 30-layer model, where every microsecond is 0.5% of a 135M model's one-row pass
+        (measured: this form and the op's resolved overload took 54 instead of 58 us per 576 x 1536 bf16 product,
+        one Zen 4 core)."""
         w = self.weight
-        return (x.is_cpu and w.is_cpu and x.dtype == w.dtype and w.dtype in _packable and x.dim() >= 2
-                and x.shape[-1] == self.in_features and x.numel() >= self._min_numel and _enabled.get()
-                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+        if (x.is_cpu and w.is_cpu and x.dtype == w.dtype and x.dim() >= 2 and x.shape[-1] == self.in_features
+                and _enabled.get() and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return self.one if x.numel() == self.in_features else self.many
+        return STOCK
+
+    def covers(self, x: torch.Tensor) -> bool:
+        """Whether a kernel other than the stock one multiplies `x`."""
+        return self._kernel(x) != STOCK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.covers(x):
-            return nn.functional.linear(x, self.weight, self.bias)
-        bias = self.bias.detach() if self.bias is not None else None
-        return _linear_pointwise()(x if x.is_contiguous() else x.contiguous(), self.packed_weight(), bias, "none",
-                                   [], "")
+        kernel = self._kernel(x)
+        if kernel is PACKED:
+            bias = self.bias.detach() if self.bias is not None else None
+            return _linear_pointwise()(x if x.is_contiguous() else x.contiguous(), self.packed_weight(), bias,
+                                       "none", [], "")
+        if kernel is TRANSPOSED:
+            y = torch.matmul(x, self.transposed_weight())
+            return y if self.bias is None else y + self.bias.detach()
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_packed"], state["_key"] = None, None  # an opaque oneDNN tensor: remade on first use
+        state["_packed"] = state["_key"] = state["_transposed"] = state["_tkey"] = None  # remade on first use
         return state
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", packed=oneDNN"
+        return super().extra_repr() + f", kernels: one row {self.one}, more {self.many}"
 
 
-def pack(module: nn.Module, min_rows: int = 1) -> int:
-    """Replace every `nn.Linear` under `module` (in place) by a `PackedLinear` sharing its Parameters, used for inputs
-    of at least `min_rows` rows (`PackedLinear.set_min_rows`); returns how many were replaced (already packed ones
-    keep their place and take `min_rows`). Raises `PackingUnavailable` when this torch
+def pack(module: nn.Module, kernels: tuple[str, str] = (PACKED, PACKED)) -> int:
+    """Replace every `nn.Linear` under `module` (in place) by a `PackedLinear` sharing its Parameters, multiplying
+    through `kernels` (one-row inputs, the rest: `PackedLinear.set_kernels`); returns how many were replaced
+    (already packed ones keep their place and take `kernels`). Raises `PackingUnavailable` when this torch
     cannot (no oneDNN), when the module is not on the CPU, or when this CPU packs none of its linears' dtypes (fp32
     and bf16 are the candidates; bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT)."""
     if not available():
@@ -223,15 +254,16 @@ def pack(module: nn.Module, min_rows: int = 1) -> int:
                 setattr(parent, name, child)
                 n += 1
             if isinstance(child, PackedLinear):
-                child.set_min_rows(min_rows)
+                child.set_kernels(*kernels)
     return n
 
 
 def kind(module: nn.Module) -> str:
-    """`KIND` when `module` holds packed linears used for every input, `KIND_MANY` when they serve 2+ rows only, else
-    `STOCK` (what a latency calibration records: the kernels set the costs)."""
-    rows = {m.min_rows for m in module.modules() if isinstance(m, PackedLinear)}
-    return STOCK if not rows else (KIND if 1 in rows else KIND_MANY)
+    """The linear kernels `module` runs, as a latency calibration records them (they set the costs): `KIND` (packed
+    for every input), `STOCK` (no `PackedLinear`, or stock for every input), else "one row K1, more K2"."""
+    pairs = {(m.one, m.many) for m in module.modules() if isinstance(m, PackedLinear)}
+    one, many = min(pairs) if pairs else (STOCK, STOCK)
+    return one if one == many else f"one row {one}, more {many}"
 
 
 @contextlib.contextmanager
@@ -256,13 +288,13 @@ def for_generation(module: nn.Module):
                         if type(child) is nn.Linear and child.weight.dtype in packable_dtypes():
                             swapped.append((parent, name, child))
                             setattr(parent, name, PackedLinear.wrap(child))
-                rows = min_rows_that_pay(_ratio_for(module))
-                if rows is None:  # no gain on this CPU: the stock kernels again
+                kernels = kernels_that_pay(_ratio_for(module))
+                if kernels is None:  # no gain on this CPU: the stock kernels again
                     for parent, name, child in reversed(swapped):
                         setattr(parent, name, child)
                     swapped = []
                 for parent, name, _ in swapped:
-                    getattr(parent, name).set_min_rows(rows)
+                    getattr(parent, name).set_kernels(*kernels)
         yield len(swapped)
     finally:
         for parent, name, child in reversed(swapped):
@@ -291,44 +323,61 @@ def _pays_key(module: nn.Module) -> tuple:
     return (type(module).__name__, sum(q.numel() for q in module.parameters()), p.dtype, torch.get_num_threads())
 
 
-def speed_ratio(module: nn.Module, rows=(1, MANY), repeats: int = 3) -> dict[int, float]:
+def speed_ratio(module: nn.Module, rows=(1, MANY), repeats: int = 3) -> dict[int, dict[str, float]]:
     """Time of a causal LM's forward (random token ids, no cache; over each of `rows` positions, the best of
-    `repeats`) with its linears prepacked over the time with the stock kernels, on this CPU at the current thread
-    count, per positions count: `{1: r1, 4: r4}`, < 1 where packing is faster. Packs `module` (in place) to measure
+    `repeats`, interleaved) with every linear through each kernel of `KERNELS` over the time with the stock kernels,
+    on this CPU at the current thread count, per positions count: `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`, < 1
+    where the kernel is faster (`PACKED` only where this CPU packs the dtype). Packs `module` (in place) to measure
     and leaves it packed."""
     pack(module)
+    linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    kernels = [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(next(module.parameters()).dtype)]
     vocab = module.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
-    xs = [torch.randint(0, vocab, (1, t), generator=g) for t in rows]
-    best = {True: [float("inf")] * len(xs), False: [float("inf")] * len(xs)}
+    xs = {t: torch.randint(0, vocab, (1, t), generator=g) for t in rows}
+    best = {(k, t): float("inf") for k in (STOCK, *kernels) for t in rows}
     with torch.no_grad():
-        for x in xs:  # warm-up: the packed copies are made here
-            module(input_ids=x, use_cache=False)
-        for _ in range(repeats):
-            for i, x in enumerate(xs):
-                for packed_kernels in (False, True):  # interleaved: a busy neighbour slows both alike
-                    with contextlib.nullcontext() if packed_kernels else stock():
-                        t0 = time.perf_counter()
-                        module(input_ids=x, use_cache=False)
-                        best[packed_kernels][i] = min(best[packed_kernels][i], time.perf_counter() - t0)
-    return {t: best[True][i] / max(best[False][i], 1e-12) for i, t in enumerate(rows)}
+        for rep in range(repeats + 1):  # the first round warms up (and makes the copies)
+            for t, x in xs.items():
+                for k in (STOCK, *kernels):  # interleaved: a busy neighbour slows all alike
+                    for m in linears:
+                        m.set_kernels(k, k, keep_copies=True)
+                    t0 = time.perf_counter()
+                    module(input_ids=x, use_cache=False)
+                    if rep:
+                        best[k, t] = min(best[k, t], time.perf_counter() - t0)
+    for m in linears:
+        m.set_kernels(PACKED, PACKED)
+    return {t: {k: best[k, t] / max(best[STOCK, t], 1e-12) for k in kernels} for t in rows}
 
 
-def _ratios(measured) -> dict[int, float]:
-    """A measured ratio as `{positions: ratio}`: from such a dict (JSON keys are strings) or one number for all."""
+def _ratios(measured) -> dict[int, dict[str, float]]:
+    """A measurement as `{positions: {kernel: ratio}}`, also from one number (the packed kernel at every size) or
+    `{positions: ratio}` (the packed kernel); JSON keys are strings."""
     if isinstance(measured, (int, float)):
-        return {1: float(measured), MANY: float(measured)}
-    return {int(k): float(v) for k, v in measured.items()}
+        measured = {1: measured, MANY: measured}
+    return {int(t): ({PACKED: float(r)} if isinstance(r, (int, float)) else {k: float(v) for k, v in r.items()})
+            for t, r in measured.items()}
 
 
-def min_rows_that_pay(measured) -> int | None:
-    """The fewest rows from which the packed kernels pay (take at most `PAYS_BELOW` of the stock time): 1, 2 (they
-    pay over several positions but not over one: where the stock one-row product is a fast GEMV, e.g. fp32 on an
-    AVX2-only EPYC, tools/pass_profile.py), or None (never)."""
+def describe_ratios(measured) -> str:
+    """A measurement in words: "1 position: onednn-packed 1.25, transposed 0.77; 4 positions: ..."."""
+    return "; ".join(f"{t} position{'s' if t > 1 else ''}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.items()))
+                     for t, r in sorted(_ratios(measured).items()))
+
+
+def kernels_that_pay(measured) -> tuple[str, str] | None:
+    """The kernels for one-row inputs and for the rest: at each size the fastest that takes at most `PAYS_BELOW` of
+    the stock time, else `STOCK`; None when both are stock. (fp32 SmolLM2 on an AVX2-only EPYC core, one pass, one
+    position: 72 ms stock, 92 packed, ~56 transposed; two positions: 137 stock, 93 packed; tools/pass_profile.py.)"""
     r = _ratios(measured)
-    if r[1] <= PAYS_BELOW:
-        return 1
-    return 2 if r[MANY] <= PAYS_BELOW else None
+
+    def best(t):
+        k, v = min(r.get(t, {}).items(), key=lambda kv: kv[1], default=(STOCK, 1.0))
+        return k if v <= PAYS_BELOW else STOCK
+
+    pair = (best(1), best(MANY))
+    return None if pair == (STOCK, STOCK) else pair
 
 
 def memo_path() -> Path | None:
@@ -338,7 +387,7 @@ def memo_path() -> Path | None:
     return Path(root).expanduser() / "packing.json"
 
 
-def _ratio_for(module: nn.Module) -> dict[int, float]:
+def _ratio_for(module: nn.Module) -> dict[int, dict[str, float]]:
     """`speed_ratio(module)`, measured once per process and machine (see `memo_path`); packs `module` when it
     measures."""
     key = _pays_key(module)
@@ -350,8 +399,9 @@ def _ratio_for(module: nn.Module) -> dict[int, float]:
         memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except (OSError, ValueError):
         memo = {}  # unreadable: measure again and rewrite it
-    if not isinstance(memo.get(disk_key), dict):  # (a single number: an older memo's sum over sizes; measure again)
-        memo[disk_key] = {str(k): v for k, v in _ratios(speed_ratio(module)).items()}
+    entry = memo.get(disk_key)
+    if not (isinstance(entry, dict) and all(isinstance(v, dict) for v in entry.values())):  # older memos: again
+        memo[disk_key] = {str(t): r for t, r in _ratios(speed_ratio(module)).items()}
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -362,19 +412,19 @@ def _ratio_for(module: nn.Module) -> dict[int, float]:
     return _pays[key]
 
 
-def pack_if_it_pays(module: nn.Module) -> int | None:
-    """Pack `module` (a causal LM on CPU) where `speed_ratio` <= `PAYS_BELOW`, for the inputs it pays on
-    (`min_rows_that_pay`; measured once per machine for its architecture, size, dtype and thread count:
-    `_ratio_for`); returns that `min_rows`, or None when it stays unpacked."""
-    rows = min_rows_that_pay(_ratio_for(module))
-    if rows is not None:
-        pack(module, rows)
-        return rows
+def pack_if_it_pays(module: nn.Module) -> tuple[str, str] | None:
+    """Pack `module` (a causal LM on CPU) with the kernels that pay on this CPU (`kernels_that_pay`; measured once per
+    machine for its architecture, size, dtype and thread count: `_ratio_for`); returns them, or None when it stays
+    unpacked."""
+    kernels = kernels_that_pay(_ratio_for(module))
+    if kernels is not None:
+        pack(module, kernels)
+        return kernels
     unpack(module)
     return None
 
 
-def measured_ratio(module: nn.Module) -> dict[int, float] | None:
+def measured_ratio(module: nn.Module) -> dict[int, dict[str, float]] | None:
     """The `speed_ratio` measured for a module like `module` (architecture, size, dtype, threads), or None."""
     return _pays.get(_pays_key(module))
 
@@ -389,8 +439,8 @@ def wanted(pack_arg, device, dtype) -> bool:
 
 
 def packed_bytes(module: nn.Module) -> int:
-    """Bytes the packed copies of `module`'s packable linears take (about their weights' size; a weight shared by
-    two linears, e.g. tied embeddings, is copied for each)."""
+    """Bytes one copy of `module`'s packable linears takes (about their weights' size; a weight shared by two
+    linears, e.g. tied embeddings, is copied for each). Measuring the kernels makes two (packed and transposed)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in module.modules()
                if isinstance(m, nn.Linear) and m.weight.dtype in packable_dtypes())
 
@@ -418,22 +468,22 @@ def apply(model, pack_arg=None):
     packed forward is not faster on this CPU (`pack_if_it_pays`)."""
     if wanted(pack_arg, model.device, model.dtype):
         if pack_arg is None:
-            need, free = packed_bytes(model.base) + packed_bytes(model.heads), available_memory()
-            if free is not None and need > MEMORY_SHARE * free:
+            need, free = 2 * (packed_bytes(model.base) + packed_bytes(model.heads)), available_memory()
+            if free is not None and need > MEMORY_SHARE * free:  # (two copies: packed and transposed)
                 warnings.warn(f"hispec: not prepacking the linear layers: their packed copies need "
                               f"{need / 2**30:.1f} GiB and the system has {free / 2**30:.1f} GiB available; "
                               "decoding uses the stock kernels (hispec.load(..., pack=True) packs regardless)",
                               stacklevel=2)
                 return model
-            rows = pack_if_it_pays(model.base)  # heads and drafter follow the base's measured answer
-            if rows is None:
+            kernels = pack_if_it_pays(model.base)  # heads and drafter follow the base's measured answer
+            if kernels is None:
                 return model
         else:
-            rows = 1
-        pack(model.base, rows)
-        pack(model.heads, rows)
+            kernels = (PACKED, PACKED)
+        pack(model.base, kernels)
+        pack(model.heads, kernels)
         if getattr(model, "drafter", None) is not None:  # an EAGLE-3 drafter's layer, fc and lm_head too
-            pack(model.drafter, rows)
+            pack(model.drafter, kernels)
         model.adapter.refresh_modules()  # its lm_head (and other parts) were replaced
     return model
 

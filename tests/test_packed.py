@@ -179,7 +179,7 @@ def test_default_packing_follows_the_measured_speed_ratio_on_this_cpu(tmp_path, 
     assert packed.kind(model.base) == packed.STOCK and packed.kind(model.heads) == packed.STOCK
     assert not any(isinstance(m, packed.PackedLinear) for m in model.base.modules())  # unpacked after measuring
     assert packed.kind(hispec.load(folder, pack=True).base) == packed.KIND  # asked for: packed regardless
-    assert packed.measured_ratio(model.base) == {1: 0.97, packed.MANY: 0.97}
+    assert packed.measured_ratio(model.base) == {1: {packed.PACKED: 0.97}, packed.MANY: {packed.PACKED: 0.97}}
     ids, am = _ids()
     assert torch.equal(model.generate(ids, am, max_new_tokens=8, strategy="hispec").sequences,
                        _hf(model.base, ids, am, 8))
@@ -195,22 +195,32 @@ def test_default_packing_follows_the_measured_speed_ratio_on_this_cpu(tmp_path, 
         assert n > 0
 
 
-def test_kernels_that_pay_over_several_positions_but_not_one_serve_only_multi_row_products(tmp_path, monkeypatch):
+def test_each_input_size_gets_the_kernel_measured_fastest_for_it(tmp_path, monkeypatch):
     monkeypatch.setattr(packed, "_pays", {})
-    monkeypatch.setattr(packed, "speed_ratio", lambda module, *a, **k: {1: 1.25, packed.MANY: 0.7})
+    measured = {1: {packed.PACKED: 1.25, packed.TRANSPOSED: 0.7}, packed.MANY: {packed.PACKED: 0.7,
+                                                                               packed.TRANSPOSED: 1.3}}
+    monkeypatch.setattr(packed, "speed_ratio", lambda module, *a, **k: measured)
     folder = _wrap(tiny_model("llama")).save(tmp_path / "ck")
     model = hispec.load(folder)
-    assert packed.kind(model.base) == packed.KIND_MANY and packed.kind(model.heads) == packed.KIND_MANY
+    both = f"one row {packed.TRANSPOSED}, more {packed.PACKED}"
+    assert packed.kind(model.base) == both and packed.kind(model.heads) == both
     lin = model.base.model.layers[0].mlp.down_proj
-    assert isinstance(lin, packed.PackedLinear) and lin.min_rows == 2
+    assert isinstance(lin, packed.PackedLinear) and (lin.one, lin.many) == (packed.TRANSPOSED, packed.PACKED)
     one, four = torch.randn(1, 1, lin.in_features), torch.randn(1, 4, lin.in_features)
-    assert not lin.covers(one) and lin.covers(four) and lin.covers(torch.randn(2, 1, lin.in_features))
+    with torch.no_grad():
+        assert lin._kernel(one) == packed.TRANSPOSED and lin._kernel(four) == packed.PACKED
+        assert lin._kernel(torch.randn(2, 1, lin.in_features)) == packed.PACKED  # two rows of a batch: "more"
+        torch.testing.assert_close(lin(one), torch.nn.functional.linear(one, lin.weight, lin.bias))
     ids, am = _ids()
     ref = _hf(model.base, ids, am, 10)
     for strategy in ("ar", "self-spec", "hispec"):  # one-row and multi-row passes mixed: still the model's output
+        out = model.generate(ids[:1], am[:1], max_new_tokens=10, strategy=strategy).sequences
+        assert torch.equal(out, ref[:1]), strategy
         assert torch.equal(model.generate(ids, am, max_new_tokens=10, strategy=strategy).sequences, ref), strategy
-    assert packed.min_rows_that_pay({1: 0.8, 4: 0.9}) == 1 and packed.min_rows_that_pay(0.9) is None
-    assert packed.min_rows_that_pay({"1": 0.9, "4": 0.84}) == 2
+    assert packed.kernels_that_pay({1: 0.8, 4: 0.9}) == (packed.PACKED, packed.STOCK)
+    assert packed.kernels_that_pay(0.9) is None
+    assert packed.kernels_that_pay({"1": {"transposed": 0.5, packed.PACKED: 0.6}, "4": 0.84}) == (
+        packed.TRANSPOSED, packed.PACKED)
 
 
 def test_the_measured_ratio_is_kept_on_disk_so_only_the_first_process_measures(tmp_path, monkeypatch):
@@ -221,7 +231,8 @@ def test_the_measured_ratio_is_kept_on_disk_so_only_the_first_process_measures(t
     monkeypatch.setattr(packed, "speed_ratio", lambda module: calls.append(1) or 0.97)
     folder = _wrap(tiny_model("llama")).save(tmp_path / "ck")
     assert packed.kind(hispec.load(folder).base) == packed.STOCK and calls == [1]
-    assert list(json.loads(memo.read_text()).values()) == [{"1": 0.97, str(packed.MANY): 0.97}]
+    assert list(json.loads(memo.read_text()).values()) == [{"1": {packed.PACKED: 0.97},
+                                                            str(packed.MANY): {packed.PACKED: 0.97}}]
     monkeypatch.setattr(packed, "_pays", {})  # a new process
     assert packed.kind(hispec.load(folder).base) == packed.STOCK and calls == [1]
     bf16 = [1] if packed.available(torch.bfloat16) else []  # another key (measured only where bf16 packs at all)
@@ -236,7 +247,8 @@ def test_the_speed_ratio_measurement_times_the_model_both_ways_and_unpack_restor
     base = tiny_model("llama")
     before = {name: p for name, p in base.named_parameters()}
     r = REAL_SPEED_RATIO(base, rows=(1, 2), repeats=1)
-    assert set(r) == {1, 2} and all(0.01 < v < 100 for v in r.values()) and packed.kind(base) == packed.KIND
+    assert set(r) == {1, 2} and all(set(v) == {packed.PACKED, packed.TRANSPOSED} for v in r.values())
+    assert all(0.01 < x < 100 for v in r.values() for x in v.values()) and packed.kind(base) == packed.KIND
     assert packed.unpack(base) > 0 and packed.kind(base) == packed.STOCK
     assert all(type(m) is torch.nn.Linear for m in base.modules() if isinstance(m, torch.nn.Linear))
     after = dict(base.named_parameters())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .. import packed
 from .runner import STAGES
 from .summary import Summary
 
@@ -25,9 +26,8 @@ def format_table(summary: Summary) -> str:
         f"{m['head_type']} heads, {m['dtype']}); {len(summary.per_prompt)} prompts x {cfg.max_new_tokens} new tokens, "
         f"{'greedy' if cfg.greedy else f'temperature {cfg.temperature}'}, repeats {cfg.repeats}",
         f"linear kernels: {m.get('linear', '?')}" + ("" if not m.get("packed_time_ratio") else
-                                                     " (prepacked / stock forward time here: " + ", ".join(
-                                                         f"{r:.2f} at {t} position(s)" for t, r in
-                                                         sorted(m["packed_time_ratio"].items(), key=lambda kv: int(kv[0]))) + ")"),
+                                                     f" (forward time over stock kernels here: "
+                                                     f"{packed.describe_ratios(m['packed_time_ratio'])})"),
         f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}, transformers {hw['transformers']}",
         "",
         f"{'strategy':<{sw}}{'tok/s':>8}{'vs hf':>8}{'vs s-s':>8}{'tok/pass':>9}{'acc L_i':>8}{'acc L':>7}"
