@@ -153,7 +153,11 @@ class PackedLinear(nn.Linear):
         weight's dtype runs `STOCK`. A copy no kernel uses any more is dropped, unless `keep_copies` (timing them
         in turn)."""
         ok = self.weight.dtype in _packable
-        self.one, self.many = [k if k != PACKED or ok else STOCK for k in (one, many)]
+        canonical = {k: k for k in KERNELS}  # (`forward` compares by identity; names read from JSON are copies)
+        unknown = {one, many} - set(KERNELS)
+        if unknown:
+            raise ValueError(f"unknown linear kernel(s) {sorted(unknown)}; choose from {', '.join(KERNELS)}")
+        self.one, self.many = [canonical[k] if k != PACKED or ok else STOCK for k in (one, many)]
         if keep_copies:
             return
         if PACKED not in (self.one, self.many):

@@ -217,6 +217,11 @@ def test_each_input_size_gets_the_kernel_measured_fastest_for_it(tmp_path, monke
         out = model.generate(ids[:1], am[:1], max_new_tokens=10, strategy=strategy).sequences
         assert torch.equal(out, ref[:1]), strategy
         assert torch.equal(model.generate(ids, am, max_new_tokens=10, strategy=strategy).sequences, ref), strategy
+    lin.set_kernels(*json.loads(json.dumps([packed.TRANSPOSED, packed.PACKED])))  # names as a memo file gives them
+    with torch.no_grad():
+        assert lin._kernel(one) is packed.TRANSPOSED and lin._kernel(four) is packed.PACKED
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        lin.set_kernels("mkl", packed.PACKED)
     assert packed.kernels_that_pay({1: 0.8, 4: 0.9}) == (packed.PACKED, packed.STOCK)
     assert packed.kernels_that_pay(0.9) is None
     assert packed.kernels_that_pay({"1": {"transposed": 0.5, packed.PACKED: 0.6}, "4": 0.84}) == (
