@@ -34,6 +34,7 @@ from torch import nn
 
 from . import packed
 from .cache import KVCache
+from .fused import standard_layers
 
 _NORM_NAMES = ("norm", "final_layer_norm", "final_layernorm", "ln_f", "norm_f")
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past", "past_key_value")
@@ -254,6 +255,8 @@ class DecoderAdapter:
         self.sliding_window: int | None = int(window) if window else None
         self._setup_logit_path(mtype)
         self._setup_embed(mtype)
+        # Standard layers are called without their wrappers (`hispec.fused`, checked bit for bit); None: as they are.
+        self.standard = standard_layers(self)
 
     # ------------------------------------------------------------------ embeddings and output
     @property
@@ -635,11 +638,15 @@ class DecoderAdapter:
             cache.begin_pass(start, end, position_ids, valid)
         types = set(self.layer_types[start:end])
         kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types, allow)
+        fast = self.standard
         for i in range(start, end):
             if capture is not None and i in capture:
                 capture[i] = hidden
-            hidden = self._call_layer(self.parts.layers[i], self.layer_types[i], hidden, position_ids, cache, masks,
-                                      rotary)
+            t = self.layer_types[i]
+            if fast is not None:
+                hidden = fast.run(i, hidden, position_ids, cache, masks[t], rotary.get(t))
+            else:
+                hidden = self._call_layer(self.parts.layers[i], t, hidden, position_ids, cache, masks, rotary)
         if capture is not None and end in capture:
             capture[end] = hidden
         cache.set_slot_meta(start, end, kv_valid, kv_pos)
