@@ -6,7 +6,8 @@ the standard layout (children `input_layernorm`, `self_attn`, `post_attention_la
 `scaling`; the family's own `apply_rotary_pos_emb` and `eager_attention_forward` in its modeling module: Llama,
 Mistral, Qwen2, Qwen3, SmolLM, ...) and `StandardLayers.run` reproduces the layer's own forward bit for bit on a
 probe; else None, and `DecoderAdapter` calls the layers as they are. `run(i, hidden, position_ids, cache, mask,
-rotary)` is `layer(hidden, attention_mask=mask, position_ids=..., cache=cache, position_embeddings=rotary)`.
+rotary)` is `layer(hidden, attention_mask=mask, position_ids=..., cache=cache, position_embeddings=rotary)`;
+`DecoderAdapter` calls the layer itself where hooks are registered on it (or on every module), so they run.
 
 Why: a layer's forward in transformers passes through decorators (`deprecate_kwarg`), `GradientCheckpointingLayer.
 __call__`, hub-kernel wrappers and keyword plumbing that cost more than the small operators of a one-position pass
@@ -59,6 +60,14 @@ class StandardLayers:
         attn = self.layers[0].self_attn
         self.rope, eager = _family_functions(attn)
         self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(adapter.attn_implementation, eager)
+
+    @staticmethod
+    def global_hooks() -> bool:
+        """Whether module hooks are registered for every module (`torch.nn.modules.module.register_module_forward_*`):
+        then every layer is called as it is, so the hooks see it (a layer with hooks of its own is too)."""
+        from torch.nn.modules import module as mod
+
+        return bool(mod._global_forward_hooks or mod._global_forward_pre_hooks)
 
     def run(self, i: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache, mask, rotary) -> torch.Tensor:
         layer = self.layers[i]

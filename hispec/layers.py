@@ -639,14 +639,17 @@ class DecoderAdapter:
         types = set(self.layer_types[start:end])
         kv_valid, kv_pos, masks, rotary = self._prepare(hidden, position_ids, valid, cache, start, types, allow)
         fast = self.standard
+        if fast is not None and fast.global_hooks():
+            fast = None
         for i in range(start, end):
             if capture is not None and i in capture:
                 capture[i] = hidden
             t = self.layer_types[i]
-            if fast is not None:
+            layer = self.parts.layers[i]
+            if fast is not None and not (layer._forward_hooks or layer._forward_pre_hooks):  # hooks: the layer's call
                 hidden = fast.run(i, hidden, position_ids, cache, masks[t], rotary.get(t))
             else:
-                hidden = self._call_layer(self.parts.layers[i], t, hidden, position_ids, cache, masks, rotary)
+                hidden = self._call_layer(layer, t, hidden, position_ids, cache, masks, rotary)
         if capture is not None and end in capture:
             capture[end] = hidden
         cache.set_slot_meta(start, end, kv_valid, kv_pos)

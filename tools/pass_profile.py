@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", choices=("auto", "packed", "stock"), default="auto",
                    help="linear kernels: as hispec.load chooses them on this CPU (auto, hispec.packed's measured "
                         "choice), oneDNN-prepacked, or stock")
+    p.add_argument("--wrapped", action="store_true",
+                   help="call standard decoder layers through transformers' own forward (hispec.fused off)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -209,7 +211,9 @@ def main(argv=None) -> int:
         else:
             model = hispec.EarlyExitModel.from_base(args.model, 1, 2, "shared", dtype=name)
             packed.apply(model, pack)
-        kernels = packed.kind(model.base)
+        if args.wrapped:
+            model.adapter.standard = None
+        kernels = packed.kind(model.base) + ("" if model.adapter.standard is None else ", standard layers unwrapped")
         nbytes = weight_bytes(model)
         bw = read_bandwidth(dtype, mbytes=args.bandwidth_mb)
         floor = nbytes / bw
