@@ -29,9 +29,9 @@ speculative output equals that model's plain greedy output (tested per family).
 Where it pays is measured, not assumed. On a 2-core Intel Xeon with AMX (torch 2.13, one thread; docs/results.md)
 transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock speed packed in fp32 but 1.29x in bf16,
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
-is the whole model streaming its weights. So the default (`pack=None`) packs the model, times its own forward over
-1 and 4 positions (`speed_ratio`: packed against `stock()`, interleaved, best of 3; ~1 s for SmolLM2 in fp32, a
-few for a 1.5B model), with each kernel (the packed one and a transposed copy, `x @ W^T` from an `[in, out]` copy),
+is the whole model streaming its weights. So the default (`pack=None`) packs the model, times all its linear layers
+over 1 and 4 positions (`speed_ratio`: every weight streamed once, against the stock kernel, interleaved, best of 3;
+~1 s for SmolLM2 in fp32, a few for a 1.5B model), with each kernel (the packed one and a transposed copy, `x @ W^T` from an `[in, out]` copy),
 and keeps per input size the fastest that took at most `PAYS_BELOW` of the stock time (`kernels_that_pay`: one
 kernel for one-row products, one for the rest; fp32 SmolLM2 on an AVX2-only EPYC core, tools/pass_profile.py: a
 one-position pass 72 ms stock against 92 ms packed, two positions 137 against 93); the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
@@ -69,7 +69,7 @@ MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-posi
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
 MEMORY_SHARE = 0.7  # default packing only when the copies fit in this share of the available memory
-PAYS_BELOW = 0.85  # default packing only where a packed product takes at most this share of the stock one's time
+PAYS_BELOW = 0.9  # a kernel other than stock only where the linears take at most this share of their stock time
 _pays: dict[tuple, float] = {}  # _pays_key(module) -> speed_ratio, measured once per process
 _enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
 _available: dict[torch.dtype, bool] = {}  # dtype -> whether this CPU packs it (`available`)
@@ -328,17 +328,19 @@ def _pays_key(module: nn.Module) -> tuple:
 
 
 def speed_ratio(module: nn.Module, rows=(1, MANY), repeats: int = 3) -> dict[int, dict[str, float]]:
-    """Time of a causal LM's forward (random token ids, no cache; over each of `rows` positions, the best of
-    `repeats`, interleaved) with every linear through each kernel of `KERNELS` over the time with the stock kernels,
-    on this CPU at the current thread count, per positions count: `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`, < 1
-    where the kernel is faster (`PACKED` only where this CPU packs the dtype). Packs `module` (in place) to measure
-    and leaves it packed."""
+    """Time of every linear layer of `module` once over each of `rows` positions of random input (so every weight is
+    streamed from memory, as a pass streams it; the best of `repeats`, interleaved) through each kernel of `KERNELS`
+    over the time through the stock kernel, on this CPU at the current thread count, per positions count:
+    `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`, < 1 where the kernel is faster (`PACKED` only where this CPU packs
+    the dtype). Packs `module` (in place) to measure and leaves it packed. Why the linears and not the forward: the
+    rest of a pass (norms, attention, Python) is the same under every kernel and only blurs the comparison."""
     pack(module)
     linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
-    kernels = [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(next(module.parameters()).dtype)]
-    vocab = module.get_input_embeddings().num_embeddings
+    dtype = next(module.parameters()).dtype
+    kernels = [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
     g = torch.Generator().manual_seed(0)
-    xs = {t: torch.randint(0, vocab, (1, t), generator=g) for t in rows}
+    xs = {t: {n: torch.randn(1, t, n, generator=g).to(dtype) for n in {m.in_features for m in linears}}
+          for t in rows}
     best = {(k, t): float("inf") for k in (STOCK, *kernels) for t in rows}
     with torch.no_grad():
         for rep in range(repeats + 1):  # the first round warms up (and makes the copies)
@@ -347,7 +349,8 @@ def speed_ratio(module: nn.Module, rows=(1, MANY), repeats: int = 3) -> dict[int
                     for m in linears:
                         m.set_kernels(k, k, keep_copies=True)
                     t0 = time.perf_counter()
-                    module(input_ids=x, use_cache=False)
+                    for m in linears:
+                        m(x[m.in_features])
                     if rep:
                         best[k, t] = min(best[k, t], time.perf_counter() - t0)
     for m in linears:
@@ -398,7 +401,7 @@ def _ratio_for(module: nn.Module) -> dict[int, dict[str, float]]:
     if key in _pays:
         return _pays[key]
     path = memo_path()
-    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key)])
+    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears"])  # (what `speed_ratio` times)
     try:
         memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except (OSError, ValueError):
