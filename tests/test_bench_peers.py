@@ -295,3 +295,60 @@ def test_a_hispec_checkpoint_is_shown_to_engines_without_its_own_files(checkpoin
     assert base_folder(checkpoint) == view  # made once
     with pytest.raises(peers.PeerError, match="--peer-model"):
         base_folder(tmp_path / "model.gguf")
+
+
+# ---------------------------------------------------------------------------------------------- tools around vLLM
+def test_check_vllm_passes_only_when_the_drafter_loaded_and_outputs_match(tmp_path, capsys):
+    from conftest import load_tool
+
+    check = load_tool("check_vllm")
+    args = check.build_parser().parse_args(["--num-prompts", "2", "--dtype", "fp32", "--spec-tokens", "2"])
+    ids = [[1, 2], [3, 4]]
+
+    def result(single, batch, counters):
+        return {"vllm": "0.0.fake", "torch": "t", "cpu_capability": "AVX2", "start_seconds": 1.0,
+                "single": [[{"tokens": t, "seconds": 1.0}] for t in single],
+                "batch": [{"seconds": 1.0, "outputs": [{"tokens": t} for t in batch]}], "totals": counters}
+
+    plain = result([[5, 6], [7, 8]], [[5, 6], [7, 8]], {})
+    accepted = {"drafts": 2, "draft_tokens": 4, "accepted": 1, "accepted_per_pos": [1, 0]}
+    spec = result([[5, 6], [7, 8]], [[5, 6], [7, 8]], accepted)
+    base, export = tmp_path / "base", check.REPO / "x"
+    assert check.report(args, base, export, 0.1, ids, plain, spec, {}) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["check_vllm"] is True and summary["same"]["one at a time"] == 2
+    assert summary["acceptance"]["acceptance_by_position"] == [0.5, 0.0]
+    assert "acceptance by position (vLLM's metrics, one at a time): 0.50 / 0.00" in out
+    # fp32: one differing token fails the check, and so does a run without speculative counters (no drafter)
+    wrong = result([[5, 6], [7, 9]], [[5, 6], [7, 8]], accepted)
+    assert check.report(args, base, export, 0.1, ids, plain, wrong, {}) == 1
+    assert "prompt 1 left plain at new token 1" in capsys.readouterr().out
+    assert check.report(args, base, export, 0.1, ids, plain, result([[5, 6], [7, 8]], [[5, 6], [7, 8]], {}), {}) == 1
+
+
+def test_load_test_starts_vllm_from_its_environment_with_the_drafter_and_bound_threads(tmp_path, monkeypatch,
+                                                                                          checkpoint):
+    from conftest import load_tool
+
+    lt = load_tool("load_test")
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv("HISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    args = lt.build_parser().parse_args(["--model", str(checkpoint), "--servers", "vllm-eagle3", "--threads", "1",
+                                         "--taskset", "3-5", "--vllm-python", str(python), "--vllm-drafter", "D",
+                                         "--vllm-spec-tokens", "2"])
+    cmd, env, name = lt.vllm_command("vllm-eagle3", args)
+    assert cmd[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"] and name == "vllm-eagle3"
+    model = cmd[cmd.index("--model") + 1]
+    assert model != str(checkpoint) and not any(p.startswith("hispec_") for p in os.listdir(model))
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == {"method": "eagle3", "model": "D",
+                                                                     "num_speculative_tokens": 2}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "3" and env["OMP_NUM_THREADS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    args.vllm_drafter = None
+    with pytest.raises(SystemExit, match="--vllm-drafter"):
+        lt.vllm_command("vllm-eagle3", args)
+    text = ('vllm:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 8.0\n# HELP x\n')
+    counts = lt.prometheus_counts(text)
+    assert lt.spec_acceptance(counts, {}) == 1.8 and lt.spec_acceptance(counts, counts) is None

@@ -53,6 +53,15 @@ def default_python() -> Path | None:
     return None
 
 
+def parse_cpus(text: str) -> list[int]:
+    """A CPU list as taskset and vLLM write it ("1", "0,2", "4-7,9") -> the CPU ids."""
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def bind_cpus(threads: int | None) -> str:
     """The CPUs vLLM's OpenMP threads are bound to: the first `threads` of those this process may use."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -70,11 +79,18 @@ def worker_env(threads: int | None) -> dict:
     return env
 
 
+def model_len(needed: int) -> int:
+    """vLLM's max_model_len: 2048, or the next multiple of 1024 that holds `needed` tokens. A fixed value keeps the
+    engine's configuration, and so the key of vLLM's compilation cache (~/.cache/vllm/torch_compile_cache), the same
+    from run to run: a hit skips minutes of compiling at start-up."""
+    return max(2048, -(-(needed + 16) // 1024) * 1024)
+
+
 def request(job: PeerJob, spec_tokens: int | None, modes: list[str]) -> dict:
     req = {"model": str(job.model_dir), "dtype": DTYPES[job.dtype], "prompts": job.prompts,
            "max_new_tokens": job.max_new_tokens, "eos": list(job.eos), "modes": modes, "repeats": job.repeats,
            "warmup": job.warmup, "seed": 0, "speculative": None,
-           "max_model_len": max(len(p) for p in job.prompts) + job.max_new_tokens + (spec_tokens or 0) + 16}
+           "max_model_len": model_len(max(len(p) for p in job.prompts) + job.max_new_tokens + (spec_tokens or 0))}
     if spec_tokens is not None:
         req["speculative"] = {"method": "eagle3", "model": str(job.drafter), "num_speculative_tokens": spec_tokens}
     return req
