@@ -220,7 +220,8 @@ def test_peer_rows_join_one_table_with_identity_ratios_and_engine_info(checkpoin
     # what ran: llama.cpp's GGUF at the bench dtype (f32) and q8_0, converted once each, one thread
     assert engines.conversions.read_text().split() == ["f32", "q8_0"]
     assert {x[0] for x in engines.loaded} == {"f32", "q8_0"} and all(x[1:] == (1, 1) for x in engines.loaded)
-    assert s["llama.cpp"]["engine"]["gguf_type"] == "f32" and s["llama.cpp"]["engine"]["cpu_features"] == "SSE3 AVX2 FMA"
+    assert s["llama.cpp"]["engine"]["gguf_type"] == "f32"
+    assert s["llama.cpp"]["engine"]["cpu_features"] == "SSE3 AVX2 FMA"
     assert s["llama.cpp"]["tokens_per_target_pass"] == 1.0 and s["llama.cpp"]["layer_evals_per_token"] == 6.0
     e = s["vllm-eagle3:2"]["engine"]
     assert e["version"] == "vLLM 0.0.fake (CPU build)" and e["speculative"]["num_speculative_tokens"] == 2

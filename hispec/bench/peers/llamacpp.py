@@ -54,8 +54,9 @@ def find_converter(version: str) -> Path:
     path = Path(given) if given else converter_dir(version) / "convert_hf_to_gguf.py"
     if not path.is_file():
         raise PeerMissing(f"llama.cpp's converter is not at {path}: run `make peers` or `python "
-                          f"tools/get_llama_cpp_converter.py` (it takes convert_hf_to_gguf.py from the llama-cpp-python "
-                          f"{version} sdist), or set ${CONVERTER_ENV} to a llama.cpp checkout's convert_hf_to_gguf.py")
+                          "tools/get_llama_cpp_converter.py` (it takes convert_hf_to_gguf.py from the "
+                          f"llama-cpp-python {version} sdist), or set ${CONVERTER_ENV} to a llama.cpp checkout's "
+                          "convert_hf_to_gguf.py")
     return path
 
 

@@ -1,7 +1,7 @@
 """Runs vLLM for hispec: `PYTHON vllm_worker.py REQUEST.json RESULT.json`, PYTHON being vLLM's own environment's.
 
 This file imports nothing of hispec (vLLM's environment, `.venv-vllm`, does not have it): only the standard library
-and vLLM. hispec.bench.peers.vllm writes the request, starts this script, and reads the result.
+and vLLM. hispec.bench.peers.vllm_peer writes the request, starts this script, and reads the result.
 
 Request (JSON): {"model": folder, "dtype": "float32" | "bfloat16" | "float16", "prompts": [[token ids]],
 "max_new_tokens": N, "eos": [ids], "modes": ["single", "batch"], "repeats": R, "warmup": W, "seed": S,
@@ -18,11 +18,12 @@ nothing to them). Speculative counters per run are the differences of vLLM's own
 (`LLM.get_metrics()`: vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
 _num_accepted_tokens_per_pos) before and after it.
 
-Result (JSON, written atomically): {"ok": true, "vllm": version, "torch": version, "start_seconds": s,
-"single": [[run per repeat] per prompt] | null, "batch": [run per repeat] | null, "totals": counters over
-"single", "batch_totals": counters over "batch"}; a single run is {"tokens": [...], "seconds": s, "finish":
-reason, "drafts": n, "draft_tokens": n, "accepted": n, "accepted_per_pos": [...]}; a batch run is {"seconds": s,
-"outputs": [{"tokens": [...], "finish": reason}], counters}. On any error: {"ok": false, "error": "Type: message",
+Result (JSON, written atomically): {"ok": true, "vllm": version, "torch": version, "cpu_capability": the vector
+ISA torch's CPU kernels use, "start_seconds": s, "single": [[run per repeat] per prompt] | null, "batch": [run per
+repeat] | null, "totals": counters over "single", "batch_totals": counters over "batch"}; a single run is
+{"tokens": [...], "seconds": s, "finish": reason, "stop_reason": the stop token id or null, "drafts": n,
+"draft_tokens": n, "accepted": n, "accepted_per_pos": [...]}; a batch run is {"seconds": s, "outputs": [{"tokens":
+[...], "finish": reason, "stop_reason": ...}], counters}. On any error: {"ok": false, "error": "Type: message",
 "traceback": "..."} and exit status 1. Progress goes to stderr.
 """
 
