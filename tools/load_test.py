@@ -136,7 +136,8 @@ def vllm_command(kind: str, args) -> tuple[list[str], dict, str]:
                              "speculators)")
         cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(Path(args.vllm_drafter)),
                                                     "num_speculative_tokens": args.vllm_spec_tokens})]
-    env = vllm_peer.worker_env(args.threads)
+    tag = "serve-" + ("plain" if kind == "vllm" else f"eagle3-k{args.vllm_spec_tokens}")
+    env = vllm_peer.worker_env(args.threads, tag)  # its own compile cache per setting (vllm_peer's docstring)
     if args.taskset:  # bind vLLM's OpenMP threads inside the CPUs the server is pinned to
         from hispec.bench.peers.vllm_peer import parse_cpus
 

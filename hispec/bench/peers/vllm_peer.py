@@ -11,7 +11,11 @@ Contract:
 - The subprocess runs with `OMP_NUM_THREADS` = the bench's threads, `VLLM_CPU_OMP_THREADS_BIND` = that many of the
   CPUs this process may run on (vLLM's own "auto" binding would choose cores from the whole NUMA node, outside a
   `taskset`), `VLLM_CPU_KVCACHE_SPACE` = `$HISPEC_VLLM_KV_GB` or 2 GiB, Hub access off (`HF_HUB_OFFLINE=1`), usage
-  statistics off (`VLLM_NO_USAGE_STATS=1`, `DO_NOT_TRACK=1`). Its whole output goes to a log file under
+  statistics off (`VLLM_NO_USAGE_STATS=1`, `DO_NOT_TRACK=1`), and its own compile cache per setting
+  (`VLLM_CACHE_ROOT` = vLLM's cache root + `/hispec-plain` or `/hispec-eagle3-kK`): vLLM 0.32's CPU build, started
+  with k=2 after a k=3 run had filled the shared cache, failed to load the cached graph ("Compiling model again due
+  to a load failure"), recompiled and died of a stack overflow in torch's tensor printing ("Fatal Python error:
+  _Py_CheckRecursiveCall"). Its whole output goes to a log file under
   `folders.cache_root()/logs/` (named in the row's info and in errors); lines of the worker itself go to stderr.
 - Speculative rows need `job.drafter`, a `speculators` folder (`hispec-export RUN --format speculators`); without
   one they fail saying what to pass. Counters: a row's passes are 1 + vLLM's drafts (the prefill's token, then one
@@ -68,7 +72,7 @@ def bind_cpus(threads: int | None) -> str:
     return ",".join(str(c) for c in cpus[: threads or len(cpus)])
 
 
-def worker_env(threads: int | None) -> dict:
+def worker_env(threads: int | None, cache_tag: str | None = None) -> dict:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the worker imports vLLM's environment only
     bound = bind_cpus(threads)
@@ -76,6 +80,9 @@ def worker_env(threads: int | None) -> dict:
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("HISPEC_VLLM_KV_GB", "2"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                TORCHINDUCTOR_COMPILE_THREADS="1")
+    if cache_tag:  # one compile cache per engine setting (module docstring)
+        root = os.environ.get("VLLM_CACHE_ROOT") or str(Path.home() / ".cache" / "vllm")
+        env["VLLM_CACHE_ROOT"] = str(Path(root) / f"hispec-{cache_tag}")
     return env
 
 
@@ -96,6 +103,12 @@ def request(job: PeerJob, spec_tokens: int | None, modes: list[str]) -> dict:
     return req
 
 
+def cache_tag(req: dict) -> str:
+    """The compile-cache tag of an engine setting: "plain" or "eagle3-kK" (module docstring)."""
+    spec = req.get("speculative")
+    return "plain" if not spec else f"{spec['method']}-k{spec['num_speculative_tokens']}"
+
+
 def call_worker(python: Path, req: dict, threads: int | None, timeout: float, progress: bool = False,
                 label: str = "vllm") -> tuple[dict, Path]:
     """Run the worker on `req`; (its result, its log file). PeerError with the log's tail when it fails."""
@@ -106,7 +119,8 @@ def call_worker(python: Path, req: dict, threads: int | None, timeout: float, pr
     with tempfile.TemporaryDirectory(prefix="hispec-vllm-") as tmp:
         req_path, res_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req_path.write_text(json.dumps(req))
-        proc = subprocess.Popen([str(python), str(WORKER), str(req_path), str(res_path)], env=worker_env(threads),
+        env = worker_env(threads, cache_tag(req))
+        proc = subprocess.Popen([str(python), str(WORKER), str(req_path), str(res_path)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         deadline = time.monotonic() + timeout
         with open(log, "w") as f:
