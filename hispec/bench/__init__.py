@@ -30,8 +30,15 @@ small cost): a top-level model call that runs every decoder layer is a full-mode
 early-exit draft pass. Layer evaluations exclude one pass over the prompt (all strategies prefill it alike).
 Nothing here prints; progress goes through tqdm on stderr when asked.
 
+Other engines (`peers`: llama.cpp through llama-cpp-python, vLLM's CPU build in its own environment) are rows of the
+same table: strategies `llama.cpp`, `llama.cpp:q8_0`, `vllm`, `vllm-batch`, `vllm-eagle3[:K]`,
+`vllm-eagle3-batch[:K]`; they decode the same prompt token ids greedily after the interleaved loop, and one that is
+not installed (`BenchResult.skipped`) or fails (`BenchResult.failed`) is reported with its reason while the others
+run on (hispec.bench.peers).
+
 Layout, by concern: `runner` (config, samples, counting, `run_bench`, `predict_speedups`), `env` (hardware and
-model info), `summary` (`summarize`), `report` (`format_table`, `plot`), `sweep` (`run_sweep`). Everything is
+model info), `summary` (`summarize`), `report` (`format_table`, `plot`), `sweep` (`run_sweep`), `peers` (other
+engines). Everything is
 re-exported here, so `from hispec import bench; bench.run_bench(...)` reads as before.
 """
 

@@ -20,7 +20,7 @@ def format_table(summary: Summary) -> str:
     """Fixed-width text: one row per strategy, then speedup vs hf and identity per category."""
     m, hw = summary.model_info, summary.hardware
     cfg = summary.config
-    sw = max(17, *(len(n) + 2 for n in list(summary.strategies) + list(summary.failed)))  # the strategy column
+    sw = max(17, *(len(n) + 2 for n in [*summary.strategies, *summary.failed, *summary.skipped]))  # strategy column
     lines = [
         f"model {m['name_or_path']} ({m['num_layers']} layers, exits {m['draft_layer']}/{m['verify_layer']}, "
         f"{m['head_type']} heads, {m['dtype']}); {len(summary.per_prompt)} prompts x {cfg.max_new_tokens} new tokens, "
@@ -34,7 +34,7 @@ def format_table(summary: Summary) -> str:
         f"{'layers/tok':>11}  {'time % pre/draft/verify/target/other':<37}{'identical':>10}{'~ties':>7}",
     ]
     for s in summary.strategies.values():
-        share = "/".join(f"{100 * s.time_share[k]:.0f}" for k in STAGES)
+        share = "-" if s.engine else "/".join(f"{100 * s.time_share[k]:.0f}" for k in STAGES)
         lines.append(
             f"{s.strategy:<{sw}}{_f(s.tokens_per_s, '{:.1f}'):>8}{_f(s.speedup_vs_hf, '{:.2f}x'):>8}"
             f"{_f(s.speedup_vs_self_spec, '{:.2f}x'):>8}{_f(s.tokens_per_target_pass):>9}"
@@ -42,7 +42,10 @@ def format_table(summary: Summary) -> str:
             f"  {share:<37}{_f(s.identical):>10}{_f(s.identical_up_to_ties):>7}"
         )
     for name, why in summary.failed.items():
-        lines.append(f"{name:<{sw}}FAILED (not timed): {why[:200]}")
+        lines.append(f"{name:<{sw}}FAILED (not timed): {why[:300]}")
+    for name, why in summary.skipped.items():
+        lines.append(f"{name:<{sw}}skipped (not installed): {why[:300]}")
+    lines += _engines(summary, sw)
     names = list(summary.strategies)
     preds = [s for s in summary.strategies.values() if s.predicted_speedup_vs_ar is not None]
     if preds:
@@ -84,14 +87,41 @@ def format_table(summary: Summary) -> str:
         lines.append(f"lossless up to rounding ties (first divergence at an fp32 logit margin <= "
                      f"{summary.tie_tolerance:g}, or within 2 units in the last place of the model's own dtype): "
                      + ("yes" if summary.lossless_up_to_ties else "NO"))
+        lossy = {n for n, s in summary.strategies.items() if s.lossy}
         diverged = [(p["index"], n, f["first_mismatch"], f["mismatch_margin"], f.get("mismatch_own_margin"))
-                    for p in summary.per_prompt for n, f in p["strategies"].items() if not f.get("identical", True)]
+                    for p in summary.per_prompt for n, f in p["strategies"].items()
+                    if not f.get("identical", True) and n not in lossy]
         for i, n, k, margin, own in diverged[:12]:
             lines.append(f"  prompt {i}: {n} left {summary.reference} at new token {k}, fp32 margin "
                          f"{_f(margin, '{:+.3f}')}, own-dtype margin {_f(own, '{:+.3f}')}")
         if len(diverged) > 12:
             lines.append(f"  ... and {len(diverged) - 12} more (see --json-out)")
     return "\n".join(lines)
+
+
+def _engines(summary: Summary, sw: int) -> list[str]:
+    """What each other engine's row ran (hispec.bench.peers): version, CPU features, file, start-up, acceptance."""
+    rows = [s for s in summary.strategies.values() if s.engine]
+    if not rows:
+        return []
+    lines = ["", "other engines (same prompt token ids, greedy, same EOS; tok/s of a batch row is its throughput)"]
+    for s in rows:
+        e = s.engine
+        parts = [e.get("version", "?"), e.get("mode")]
+        if e.get("cpu_features"):
+            parts.append(f"CPU {e['cpu_features']}")
+        if e.get("gguf_type"):
+            parts.append(f"GGUF {e['gguf_type']}" + (" (quantised: identity not claimed)" if s.lossy else ""))
+        if e.get("speculative"):
+            sp = e["speculative"]
+            parts.append(f"{sp['method']} k={sp['num_speculative_tokens']} ({sp['model']})")
+        if e.get("acceptance_by_position"):
+            parts.append("acceptance by position " + " / ".join(f"{a:.2f}" for a in e["acceptance_by_position"])
+                         + f", mean acceptance length {e['mean_acceptance_length']:.2f}")
+        if e.get("start_seconds") is not None:
+            parts.append(f"start-up {e['start_seconds']:g} s")
+        lines.append(f"{s.strategy:<{sw}}" + "; ".join(p for p in parts if p))
+    return lines
 
 
 def plot(summary: Summary, path: str | os.PathLike) -> Path:

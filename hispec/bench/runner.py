@@ -6,7 +6,12 @@ Every timer waits for the device's queued work before reading the clock (`hispec
 (transformers' own, `HF_STRATEGIES`) that raises is recorded in `BenchResult.failed` and dropped, and the run goes
 on with the others; whatever it changed in the base model's config is undone after each of its runs
 (`restored_config`: transformers' `assistant_early_exit` sets `num_hidden_layers` to the exit layer and, when it
-fails, leaves it there). hispec's own strategies are not caught: an error there is a bug."""
+fails, leaves it there). hispec's own strategies are not caught: an error there is a bug.
+
+Other engines (`hispec.bench.peers`: llama.cpp, vLLM) run after the interleaved loop, each on every prompt in turn
+(an engine is started once, not per prompt), on the same prompt token ids; their rows join the same records, so
+identity, the tie check and the ratios to `hf` treat them like every row. A peer that is not installed is listed in
+`BenchResult.skipped`, one that fails in `BenchResult.failed`, with the reason, and the others run on."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import latency, packed, timing
+from . import peers
 from ..decoding import STRATEGIES as HISPEC_STRATEGIES
 from ..decoding import _auto_plan, _auto_trees, build_levels, ngram_config, parse_hierarchy
 from ..prompts import Prompt, cut_at_eos, encode_prompts, eos_ids
@@ -38,7 +44,7 @@ VERIFICATION_SUFFIXES = ("token", "hsd")  # hispec.sampling.VERIFICATIONS
 
 def split_verification(strategy: str) -> tuple[str, str | None]:
     """`"hispec:hsd"` -> ("hispec", "hsd"); `"hispec"` -> ("hispec", None). Raises ValueError on a bad suffix."""
-    if strategy.startswith(TREE_PREFIXES + GATE_PREFIXES):
+    if strategy.startswith(TREE_PREFIXES + GATE_PREFIXES) or peers.is_peer(strategy):
         return strategy, None
     name, sep, rule = strategy.partition(":")
     if not sep:
@@ -58,7 +64,7 @@ def with_both_verifications(strategies) -> tuple[str, ...]:
     out = []
     for s in strategies:
         out.append(s)
-        if s not in HF_STRATEGIES and s != "ar" and ":" not in s:
+        if s not in HF_STRATEGIES and s != "ar" and ":" not in s and not peers.is_peer(s):
             out.append(f"{s}:hsd")
     return tuple(dict.fromkeys(out))
 
@@ -125,6 +131,12 @@ class BenchConfig:
     tie_check: bool = True  # re-evaluate divergences in fp32 (costs one fp32 copy of the base when it is not fp32)
     ngram: dict | None = None  # hispec's n-gram level: NgramConfig fields (None: `decoding.ngram_config`'s)
     verification: str | None = None  # sampling acceptance rule of unsuffixed hispec strategies (None: checkpoint's)
+    # other engines (hispec.bench.peers): the base model's local folder they load (None: the folder the model was
+    # loaded from), the EAGLE-3 drafter of the vllm-eagle3 rows (a `speculators` folder, or a drafter run or
+    # checkpoint holding one, exported on the fly; None: the model's folder when it holds one), vLLM's Python
+    peer_model: str | None = None
+    peer_drafter: str | None = None
+    vllm_python: str | None = None
 
     def __post_init__(self):
         self.strategies = tuple(self.strategies)
@@ -133,12 +145,17 @@ class BenchConfig:
                              f"{', '.join(VERIFICATION_SUFFIXES)}")
         unknown = [s for s in self.strategies
                    if split_verification(s)[0] not in STRATEGIES and ">" not in s and tree_of(s) is None
-                   and gate_of(s) is None]
+                   and gate_of(s) is None and not peers.is_peer(s)]
         if unknown:
             raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or a hierarchy "
                              "such as ngram>L4>full")
         if not self.strategies:
             raise ValueError("no strategies to run")
+        for s in self.strategies:
+            if peers.is_peer(s):
+                peers.parse(s)  # ValueError when malformed
+                if not self.greedy:
+                    raise ValueError(f"strategy {s!r}: other engines run greedy only (drop --temperature)")
         if len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies are listed twice: {list(self.strategies)}")
         for name in ("max_new_tokens", "repeats"):
@@ -164,13 +181,13 @@ class Counters:
     """What one generation did, in the same terms for every strategy (None: not observable for it)."""
 
     new_tokens: int = 0
-    target_passes: int = 0  # full-model passes that produced new tokens (prefill included for transformers)
+    target_passes: int | None = 0  # full-model passes that produced new tokens (prefill included for transformers)
     drafted: int | None = None
     accepted_at_verify: int | None = None
     proposed_to_verify: int | None = None
     accepted_at_target: int | None = None
     proposed_to_target: int | None = None
-    layer_evals: int = 0  # decoder-layer evaluations beyond one pass over the prompt
+    layer_evals: int | None = 0  # decoder-layer evaluations beyond one pass over the prompt (None: not observed)
     seconds: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     hierarchy: str | None = None  # hispec: the levels it ran (auto: the chain it chose), e.g. "auto:ngram>L4>full"
     verification: str | None = None  # hispec: the sampling acceptance rule ("token" | "hsd")
@@ -214,11 +231,14 @@ class BenchResult:
     predictions: dict = field(default_factory=dict)  # strategy -> latency-model speedup vs ar (calibrated models)
     predictors: dict = field(default_factory=dict)  # strategy -> f(observed rates) -> predicted speedup vs ar
     failed: dict = field(default_factory=dict)  # peer strategy -> "ExceptionType: message" (it raised; no samples)
+    skipped: dict = field(default_factory=dict)  # other engine -> why it did not run (not installed: how to install)
+    engines: dict = field(default_factory=dict)  # other engine's row -> what ran (version, CPU features, files, ...)
+    lossy: tuple = ()  # rows whose outputs are not expected to equal the reference's (quantised models)
 
     @property
     def strategies(self) -> tuple[str, ...]:
-        """The configured strategies that ran (those that failed are left out)."""
-        return tuple(s for s in self.config.strategies if s not in self.failed)
+        """The configured strategies that ran (those that failed or were skipped are left out)."""
+        return tuple(s for s in self.config.strategies if s not in self.failed and s not in self.skipped)
 
 
 # ---------------------------------------------------------------------------------------------------- counting
@@ -513,23 +533,26 @@ def run_bench(model, prompts: list[Prompt], config: BenchConfig, progress: bool 
     runner = Runner(model, config)
     records = [PromptRecord(i, p.category, p.text, int(m.sum())) for i, (p, (_, m)) in enumerate(zip(prompts, encoded))]
     attempts = _Attempts(runner, records)
+    own = tuple(s for s in config.strategies if not peers.is_peer(s))
     try:
-        _run_all(attempts, encoded, records, config, progress)
+        if own:
+            _run_all(attempts, encoded, records, config, progress, own)
     finally:
         runner.close()
     result = BenchResult(config=config, records=records, model_info=model_info(model), hardware=hardware_info(),
                          tie_tolerance=tie_tolerance(config, model.dtype), failed=attempts.failed)
+    if len(own) < len(config.strategies):
+        _run_peers(model, encoded, result, runner.eos, progress)
     if not result.strategies:
-        raise ValueError(f"every strategy failed: {attempts.failed}")
+        raise ValueError(f"every strategy failed: {dict(result.failed, **result.skipped)}")
     if config.greedy and config.tie_check:
-        _tie_margins(model, encoded, records, result.strategies)
+        _tie_margins(model, encoded, records, [s for s in result.strategies if s not in result.lossy])
     result.predictions, result.predictors = predict_speedups(model, config)
     return result
 
 
-def _run_all(attempts: _Attempts, encoded, records, config: BenchConfig, progress: bool) -> None:
+def _run_all(attempts: _Attempts, encoded, records, config: BenchConfig, progress: bool, strategies) -> None:
     """The warm-up runs, then every prompt x repeat x strategy (rotated order), into `records`."""
-    strategies = config.strategies
     with _progress(config.warmup * len(strategies), progress and config.warmup > 0, "warm-up") as bar:
         for _ in range(config.warmup):
             for s in strategies:
@@ -546,6 +569,39 @@ def _run_all(attempts: _Attempts, encoded, records, config: BenchConfig, progres
                     if sample is not None:
                         records[i].samples.setdefault(s, []).append(sample)
                     bar.update()
+
+
+def _run_peers(model, encoded, result: BenchResult, eos: list[int], progress: bool) -> None:
+    """The other engines' rows (`hispec.bench.peers`) on the same prompt ids, into `result` (records, failed,
+    skipped, engines, lossy)."""
+    from .peers.job import peer_job
+
+    config = result.config
+    names = [s for s in config.strategies if peers.is_peer(s)]
+    prompts = [ids[0][mask[0].bool()].tolist() for ids, mask in encoded]
+    try:
+        job = peer_job(model, prompts, config, eos, threads=torch.get_num_threads())
+    except peers.PeerError as e:  # no usable base-model folder: every peer row fails with that reason
+        result.failed.update({n: f"{type(e).__name__}: {e}" for n in names})
+        return
+    outcomes = peers.run_peers(names, job, progress=progress)
+    L = model.num_layers
+    for name, o in outcomes.items():
+        if o.skipped:
+            result.skipped[name] = o.skipped
+            continue
+        if o.failed:
+            result.failed[name] = o.failed
+            continue
+        result.engines[name] = dict(o.info, lossy=o.spec.lossy)
+        if o.spec.lossy:
+            result.lossy += (name,)
+        for rec, runs in zip(result.records, o.runs):
+            rec.samples[name] = [Sample(seconds=r.seconds, tokens=r.tokens, counters=Counters(
+                new_tokens=len(r.tokens), target_passes=r.passes,
+                drafted=r.drafted, accepted_at_target=r.accepted, proposed_to_target=r.drafted,
+                layer_evals=None if r.positions is None else r.positions * L,
+                seconds={**dict.fromkeys(STAGES, 0.0), "other": r.seconds}, hierarchy=None)) for r in runs]
 
 
 def _tie_margins(model, encoded, records, strategies) -> None:
@@ -588,7 +644,7 @@ def predict_speedups(model, config: BenchConfig) -> tuple[dict, dict]:
     plain = latency.time_per_token(["full"], [], cal)
     out, fns = {}, {}
     for s in config.strategies:
-        if s in HF_STRATEGIES:
+        if s in HF_STRATEGIES or peers.is_peer(s):
             continue
         c, gated = cal.with_gate(0), gate_of(s)  # (fixed strategies run full chains; `auto` its calibration's gate)
         if gated is not None:  # a gated chain: priced where the calibration measured that gate

@@ -1,5 +1,9 @@
 """Samples -> figures: `summarize(result)` gives a `Summary` of per-strategy `StrategySummary`s (tokens/s, speedups
-measured side by side, tokens per full pass, acceptance per stage, time shares, identical outputs up to ties)."""
+measured side by side, tokens per full pass, acceptance per stage, time shares, identical outputs up to ties).
+
+Rows of other engines (hispec.bench.peers) carry what ran in `engine`; a figure an engine does not report (e.g. the
+passes of a speculative batch row) is None. A lossy row (a quantised model) has no identity figures and does not
+count for `lossless`: its outputs are not expected to equal the reference's."""
 
 from __future__ import annotations
 
@@ -28,10 +32,10 @@ class StrategySummary:
     tokens_per_s: float
     speedup_vs_hf: float | None
     speedup_vs_self_spec: float | None
-    tokens_per_target_pass: float
+    tokens_per_target_pass: float | None
     verify_acceptance: float | None
     target_acceptance: float | None
-    layer_evals_per_token: float
+    layer_evals_per_token: float | None
     time_share: dict
     identical: float | None  # share of prompts whose new tokens equal the reference's (greedy only)
     identical_up_to_ties: float | None  # the same, counting a divergence at an fp32 near-tie as identical
@@ -49,6 +53,8 @@ class StrategySummary:
     # `s:hsd` next to `s`: median per-prompt tokens/s ratio and tokens-per-full-pass ratio, HSD over token-wise
     speedup_vs_token: float | None = None
     tokens_per_target_pass_vs_token: float | None = None
+    engine: dict | None = None  # another engine's row (hispec.bench.peers): version, CPU features, files, acceptance
+    lossy: bool = False  # a quantised peer: identity is not claimed and it does not count for `lossless`
 
 
 @dataclass
@@ -62,11 +68,13 @@ class Summary:
     hardware: dict
     tie_tolerance: float = 0.0
     failed: dict = field(default_factory=dict)  # peer strategy -> "ExceptionType: message" (it raised; not timed)
+    skipped: dict = field(default_factory=dict)  # other engine -> why it did not run (not installed)
 
     def _all(self, attr: str) -> bool | None:
         if not self.config.greedy or self.reference is None:
             return None
-        return all(getattr(s, attr) == 1.0 for name, s in self.strategies.items() if name != self.reference)
+        return all(getattr(s, attr) == 1.0 for name, s in self.strategies.items()
+                   if name != self.reference and not s.lossy)
 
     @property
     def lossless(self) -> bool | None:
@@ -103,6 +111,7 @@ class Summary:
             "model": self.model_info,
             "hardware": self.hardware,
             "failed": dict(self.failed),
+            "skipped": dict(self.skipped),
         }
         if per_prompt:
             d["per_prompt"] = self.per_prompt
@@ -151,8 +160,10 @@ def _observed_rates(cs) -> dict | None:
     return out
 
 
-def _pass_ratio(records, s, idx) -> float:
+def _pass_ratio(records, s, idx) -> float | None:
     cs = [x.counters for i in idx for x in records[i].samples[s]]
+    if any(c.target_passes is None for c in cs):
+        return None
     return sum(c.new_tokens for c in cs) / max(sum(c.target_passes for c in cs), 1)
 
 
@@ -168,7 +179,7 @@ def summarize(result: BenchResult) -> Summary:
         return _median([_ratio(figs[i][s]["tokens_per_s"], figs[i][base]["tokens_per_s"]) for i in idx])
 
     def identity(s, idx, key="identical"):
-        if ref is None:
+        if ref is None or s in result.lossy:
             return None
         return sum(figs[i][s][key] for i in idx) / max(len(idx), 1)
 
@@ -186,10 +197,10 @@ def summarize(result: BenchResult) -> Summary:
             tokens_per_s=_median([figs[i][s]["tokens_per_s"] for i in every]),
             speedup_vs_hf=ratios(s, "hf", every),
             speedup_vs_self_spec=ratios(s, "self-spec", every),
-            tokens_per_target_pass=total("new_tokens") / max(total("target_passes"), 1),
+            tokens_per_target_pass=_pass_ratio(result.records, s, every),
             verify_acceptance=_ratio(opt("accepted_at_verify"), opt("proposed_to_verify")),
             target_acceptance=_ratio(opt("accepted_at_target"), opt("proposed_to_target")),
-            layer_evals_per_token=total("layer_evals") / max(total("new_tokens"), 1),
+            layer_evals_per_token=_ratio(opt("layer_evals"), max(total("new_tokens"), 1)),
             time_share={k: v / all_secs if all_secs else 0.0 for k, v in secs.items()},
             identical=identity(s, every),
             identical_up_to_ties=identity(s, every, "identical_up_to_ties"),
@@ -198,6 +209,8 @@ def summarize(result: BenchResult) -> Summary:
             plain_share=_mean_opt([c.plain_share for c in cs]),
             hierarchy=next((c.hierarchy for c in cs if c.hierarchy), None),
             verification=next((c.verification for c in cs if c.verification), None),
+            engine=result.engines.get(s),
+            lossy=s in result.lossy,
         )
         pred = result.predictions.get(s)
         measured = summaries[s].speedup_vs_ar
@@ -237,4 +250,4 @@ def summarize(result: BenchResult) -> Summary:
     per_prompt = [{"index": rec.index, "category": rec.category, "prompt_tokens": rec.prompt_tokens,
                    "text": rec.text[:200], "strategies": figs[i]} for i, rec in enumerate(result.records)]
     return Summary(cfg, ref, summaries, categories, per_prompt, result.model_info, result.hardware,
-                   result.tie_tolerance, dict(result.failed))
+                   result.tie_tolerance, dict(result.failed), dict(result.skipped))

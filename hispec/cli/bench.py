@@ -8,6 +8,8 @@
         --sweep --sweep-draft-layers 2,4,6 --sweep-verify-layers 8,10 --sweep-gammas 3,4
     hispec-bench --model ./smollm2-hispec --prompts spec_bench_question.jsonl --temperature 0.7 \\
         --strategies ar,self-spec,hispec --verification both
+    hispec-bench --model ./smollm2-hispec --prompts spec_bench_question.jsonl --dtype fp32 --threads 1 \\
+        --strategies hf,ar,auto,llama.cpp,vllm,vllm-eagle3,vllm-batch --peer-drafter DRAFTER
 
 Every prompt (batch size 1, chat template applied) is decoded by every strategy, interleaved with a rotating order
 so machine drift hits all alike. Prints a fixed-width table to stdout and ends with one JSON line (the summary);
@@ -19,6 +21,11 @@ reproduce its new tokens exactly. In bf16/fp16 two correct computations round di
 near-tie of the top two logits; every divergence is therefore re-evaluated in fp32 and its margin reported
 ("lossless_up_to_ties"). A strategy of transformers' own (hf, hf-early-exit, hf-prompt-lookup, hf-packed) that
 raises is reported as FAILED in the table, under "failed" in the JSON line and on stderr, and the others run on.
+Other engines join the same table (hispec.bench.peers; greedy, the same prompt token ids and EOS): `llama.cpp`
+(llama-cpp-python, `make peers`; a GGUF made by llama.cpp's converter at --dtype, cached; `llama.cpp:q8_0` a
+quantised one, never counted as identical) and `vllm`, `vllm-batch`, `vllm-eagle3[:K]`, `vllm-eagle3-batch[:K]`
+(vLLM's CPU build in .venv-vllm, `make vllm`; one prompt at a time, or all at once). One that is not installed is
+"skipped", one that fails "FAILED", each with the reason, and the others run on.
 Exit status: 0; 1 when a greedy run left hf beyond a rounding tie; 2 on bad input.
 """
 
@@ -83,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "tree:4x2x1 (self-spec drafting that static tree: children per node at each depth), "
                    "lookup-tree:4 (self-spec-lookup, its exit drafting that tree where the lookup finds nothing), "
                    "eagle-tree:4x2 / eagle-lookup-tree:4x2 (the EAGLE-3 drafter drafting that static tree), "
-                   "eagle-gate:0.3 / eagle-lookup-gate:0.3 (its chain stopping at a draft it gives less than 0.3) "
+                   "eagle-gate:0.3 / eagle-lookup-gate:0.3 (its chain stopping at a draft it gives less than 0.3), "
+                   "other engines llama.cpp, llama.cpp:q8_0, vllm, vllm-batch, vllm-eagle3[:K], vllm-eagle3-batch[:K] "
                    "(default: hf, hf-early-exit, hf-prompt-lookup, ar, self-spec, hispec, ngram, and auto when the "
                    "checkpoint holds a calibration). "
                    "With --sweep: which of self-spec, hispec to tune (default hispec)")
@@ -110,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 0.5 for bf16, 0.1 for fp16, 0.001 for fp32)")
     r.add_argument("--no-tie-check", action="store_true",
                    help="do not re-evaluate divergences in fp32 (that check holds one fp32 copy of the base model)")
+    e = p.add_argument_group("other engines (strategies llama.cpp*, vllm*)")
+    e.add_argument("--peer-model", metavar="FOLDER",
+                   help="the base model's local Hugging Face folder the engines load (default: --model; a hispec "
+                        "checkpoint's own files are left out)")
+    e.add_argument("--peer-drafter", metavar="FOLDER",
+                   help="EAGLE-3 drafter of the vllm-eagle3 rows: a speculators folder (hispec-export --format "
+                        "speculators), or a drafter run / checkpoint with one, exported on the fly (default: --model "
+                        "when it holds a drafter)")
+    e.add_argument("--vllm-python", metavar="PYTHON",
+                   help="Python of vLLM's environment (default: $HISPEC_VLLM_PYTHON, else .venv-vllm/bin/python)")
     t = p.add_argument_group("timing and output")
     t.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per strategy (default 1)")
     t.add_argument("--repeats", type=int, default=1,
@@ -311,6 +329,7 @@ def main(argv=None) -> int:
             prompt_lookup_tokens=args.prompt_lookup_tokens, assistant_tokens=args.assistant_tokens,
             tie_tolerance=args.tie_tolerance, tie_check=not args.no_tie_check, ngram=_ngram(args),
             verification="token" if args.verification == "both" else args.verification,
+            peer_model=args.peer_model, peer_drafter=args.peer_drafter, vllm_python=args.vllm_python,
         )
         prompts = load_prompts(args.prompts, num=args.num_prompts or None, categories=args.categories)
         print(f"[hispec-bench] loading {args.model}", file=sys.stderr, flush=True)
@@ -337,6 +356,8 @@ def main(argv=None) -> int:
     summary = bench.summarize(result)
     for name, why in summary.failed.items():
         print(f"hispec-bench: warning: {name} failed and was left out: {why}", file=sys.stderr)
+    for name, why in summary.skipped.items():
+        print(f"hispec-bench: warning: {name} was skipped: {why}", file=sys.stderr)
     print(bench.format_table(summary), flush=True)
     if args.plot:
         try:
