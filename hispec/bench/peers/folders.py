@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from . import PeerError
+from .spec import PeerError
 
 HISPEC_FILES = ("hispec_heads.safetensors", "hispec_drafter.safetensors", "hispec_drafter.json", "hispec_train.json",
                 "README.md")

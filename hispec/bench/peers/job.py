@@ -4,7 +4,7 @@ Contract: the base-model folder is `config.peer_model`, else the folder the mode
 `config._name_or_path`), made loadable by `folders.base_folder` (a hispec checkpoint's own files left out). The
 drafter of the vllm-eagle3 rows is `speculators_folder(config.peer_drafter or that folder, base)`: a `speculators`
 folder is used as it is; a drafter run or a checkpoint exported with `--drafter` (files `hispec_drafter.*`) is
-exported once with `hispec.speculators_export` (its verifier recorded as the local base folder) into
+exported once with `hispec.export.speculators` (its verifier recorded as the local base folder) into
 `folders.cache_root()/speculators/`, keyed by the files' fingerprint; anything else gives None, and those rows fail
 saying what to pass (`PeerJob.drafter_error`: why a drafter that was named could not be used). Raises PeerError when
 there is no usable base folder.
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import PeerError, PeerJob
+from .spec import PeerError, PeerJob
 from .folders import base_folder, cache_root, fingerprint
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import PeerJob, PeerMissing, PeerError, PeerOutcome, PeerRun, PeerSpec, cut
+from .spec import PeerJob, PeerMissing, PeerError, PeerOutcome, PeerRun, PeerSpec, cut
 from .folders import cache_root, fingerprint
 
 OUTTYPES = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}

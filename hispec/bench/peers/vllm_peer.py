@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import PeerError, PeerJob, PeerMissing, PeerOutcome, PeerRun, PeerSpec, cut
+from .spec import PeerError, PeerJob, PeerMissing, PeerOutcome, PeerRun, PeerSpec, cut
 from .folders import cache_root
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
