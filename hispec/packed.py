@@ -29,19 +29,20 @@ speculative output equals that model's plain greedy output (tested per family).
 Where it pays is measured, not assumed. On a 2-core Intel Xeon with AMX (torch 2.13, one thread; docs/results.md)
 transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock speed packed in fp32 but 1.29x in bf16,
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
-is the whole model streaming its weights. So the default (`pack=None`) packs the model, times all its linear layers
-over 1 and 4 positions (`speed_ratio`: every weight streamed once, against the stock kernel, interleaved, best of 3;
-~1 s for SmolLM2 in fp32, a few for a 1.5B model), with each kernel (the packed one and a transposed copy, `x @ W^T` from an `[in, out]` copy),
-and keeps per input size the fastest that took at most `PAYS_BELOW` of the stock time (`kernels_that_pay`: one
-kernel for one-row products, one for the rest; fp32 SmolLM2 on an AVX2-only EPYC core, tools/pass_profile.py: a
-one-position pass 72 ms stock against 92 ms packed, two positions 137 against 93); the answer is kept per machine (`memo_path`: CPU model, torch version, architecture, size, dtype, thread count) so
-that only the first load measures (`measured_ratio` reads it).
+is the whole model streaming its weights. So the default (`pack=None`) packs the model and times all its linear
+layers (`speed_ratio`: every weight streamed once) over 1, 2 and 4 positions with each kernel: stock, the prepacked
+one, and a transposed `[in, out]` copy (`x @ W^T`). A kernel's ratio is the median over 5 rounds of its time over the
+stock time measured next to it. Per input size the fastest kernel that took at most `PAYS_BELOW` of the stock time
+is kept (`kernels_that_pay`: one kernel for one-row products, one for the rest). fp32 SmolLM2 on an AVX2-only EPYC
+core (tools/pass_profile.py): a one-position pass 72 ms stock, 92 ms packed, 67 ms transposed; two positions 137 ms
+stock against 93 ms packed. The answer is kept per machine (`memo_path`: CPU model, torch version, architecture,
+size, dtype, thread count) so that only the first load measures (`measured_ratio` reads it).
 `pack=True` / `--pack` and `pack=False` / `--no-pack` decide as told.
 
-Memory: the packed copy sits beside the weight (the `weight` Parameter stays, so tying, `state_dict`, saving and
-every reader of `.weight` are unchanged), i.e. about twice the linear layers' weight memory. Packing by default
-must never make a model that fits fail to run, so `apply(model)` (pack=None) leaves the stock kernels in place, with
-a warning, when the copies would take more than `MEMORY_SHARE` of the memory the system has available
+Memory: each kernel's copy sits beside the weight (the `weight` Parameter stays, so tying, `state_dict`, saving and
+every reader of `.weight` are unchanged): the linear layers' weights once more per non-stock kernel in use.
+Packing by default must never make a model that fits fail to run, so `apply(model)` (pack=None) leaves the stock
+kernels in place, with a warning, when two copies would take more than `MEMORY_SHARE` of the available memory
 (`available_memory()`, Linux's MemAvailable); an explicit `pack=True` packs regardless.
 """
 

@@ -44,7 +44,7 @@ def speculators_folder(source: str | os.PathLike | None, base: Path) -> Path | N
         return None
     out = cache_root() / "speculators" / f"{path.name}-{fingerprint(path, str(base))}"
     if not out.is_dir():
-        from ...speculators_export import export_speculators
+        from ...export.speculators import export_speculators
 
         print(f"[hispec-bench] exporting the EAGLE-3 drafter of {path} to {out} (speculators format)",
               file=sys.stderr, flush=True)
