@@ -24,7 +24,9 @@ def test_ranges_over_holes_and_tree_masks_give_the_layers_own_outputs(family):
     outs = []
     for standard in (True, False):
         ad = DecoderAdapter(base)
-        if not standard:
+        if standard:
+            assert ad.standard.grouped_sdpa  # GQA over several queries through sdpa's enable_gqa, exact here
+        else:
             ad.standard = None
         g = torch.Generator().manual_seed(1)
         cache = ad.new_cache(2)
@@ -65,3 +67,13 @@ def test_a_layer_with_hooks_is_called_as_it_is_so_its_hooks_run():
                       cache=ad.new_cache(1))
     handle.remove()
     assert seen == [torch.Size([1, 4, ad.hidden_size])] and ad.standard is not None
+
+
+def test_grouped_attention_that_is_not_exact_is_not_used(monkeypatch):
+    from hispec.fused import StandardLayers
+
+    real = StandardLayers._grouped_attention
+    monkeypatch.setattr(StandardLayers, "_grouped_attention",
+                        staticmethod(lambda attn, q, k, v, mask: real(attn, q, k, v, mask) * (1 + 1e-6)))
+    ad = DecoderAdapter(tiny_model("llama"))
+    assert ad.standard is not None and not ad.standard.grouped_sdpa

@@ -45,3 +45,17 @@ def test_the_tool_prints_a_table_and_ends_with_one_json_line(tmp_path, capsys):
     assert summary["tool"] == "pass_profile" and [r["T"] for r in summary["rows"]] == [1, 2]
     assert all(r["floor"] > 0 and r["wall_over_floor"] > 0 for r in summary["rows"])
     assert json.loads((tmp_path / "p.json").read_text())["rows"] == summary["rows"]
+
+
+def test_the_merged_products_are_the_default_and_separate_turns_them_off(tmp_path, capsys):
+    pp = load_tool("pass_profile")
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    labels = []
+    for extra in ([], ["--separate"]):
+        assert pp.main(["--model", str(folder), "--positions", "1", "--repeats", "2", "--context", "8",
+                        "--bandwidth-mb", "16", "--kernels", "packed", *extra]) == 0
+        labels.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]["linear"])
+    assert labels[0].endswith("standard layers unwrapped, QKV and gate/up merged")
+    assert labels[1].endswith("standard layers unwrapped")

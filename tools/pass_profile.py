@@ -190,6 +190,9 @@ def main(argv=None) -> int:
                         "choice), oneDNN-prepacked, or stock")
     p.add_argument("--wrapped", action="store_true",
                    help="call standard decoder layers through transformers' own forward (hispec.fused off)")
+    p.add_argument("--separate", action="store_true",
+                   help="multiply Q, K, V and gate, up one by one (hispec.merged off; its merged products are the "
+                        "default)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -213,7 +216,12 @@ def main(argv=None) -> int:
             packed.apply(model, pack)
         if args.wrapped:
             model.adapter.standard = None
-        kernels = packed.kind(model.base) + ("" if model.adapter.standard is None else ", standard layers unwrapped")
+        elif args.separate and model.adapter.standard is not None:
+            model.adapter.standard.merge = False
+        fused = model.adapter.standard
+        kernels = packed.kind(model.base) + ("" if fused is None else ", standard layers unwrapped"
+                                             + (", QKV and gate/up merged" if fused.merge and packed.kind(model.base) != packed.STOCK
+                                                else ""))
         nbytes = weight_bytes(model)
         bw = read_bandwidth(dtype, mbytes=args.bandwidth_mb)
         floor = nbytes / bw
