@@ -97,7 +97,7 @@ class StandardLayers:
         if rotary is not None:
             q, k = self.rope(q, k, *rotary)
         k, v = cache.update(k, v, attn.layer_idx)
-        if (self.grouped_sdpa and getattr(attn, "num_key_value_groups", 1) > 1 and mask is not None
+        if (self.grouped_sdpa and q.is_cpu and getattr(attn, "num_key_value_groups", 1) > 1 and mask is not None
                 and q.shape[2] > 1 and mask.shape[1] == 1):
             out = self._grouped_attention(attn, q, k, v, mask)
         else:
@@ -118,7 +118,9 @@ class StandardLayers:
         each query head reads its K/V head in place. transformers' sdpa path gives `enable_gqa` no mask on CPU and
         repeats every cached K and V `groups` times instead (`repeat_kv`: the whole cache copied per layer and
         pass, 7-11% of a 2-8 position pass of SmolLM2 on an AVX2 EPYC, docs/results.md §The pass).
-        `standard_layers` keeps this only where it reproduces the layer bit for bit (`_matches`)."""
+        `standard_layers` keeps this only where it reproduces the layer bit for bit (`_matches`). CPU only: on CUDA,
+        sdpa with a mask and `enable_gqa` falls back to its math kernel (transformers' note in
+        `transformers.integrations.sdpa_attention.use_gqa_in_sdpa`), so GPUs keep transformers' path."""
         out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
                                                          enable_gqa=True)
         return out.transpose(1, 2).contiguous()
