@@ -128,13 +128,15 @@ class StandardLayers:
     def _group(self, i: int, which: int, linears: tuple) -> MergedLinear | None:
         """Layer i's merged product of `linears` (which: 0 QKV, 1 gate/up), remade when the modules change (packing
         replaces them); None where merging is off or they are not all `PackedLinear`s."""
+        if not self.merge:
+            return None
         seen = self._groups.get((i, which))
         if seen is not None and len(seen[0]) == len(linears) and all(a is b for a, b in zip(seen[0], linears)):
-            return seen[1] if self.merge else None
+            return seen[1]
         group = MergedLinear(list(linears)) if all(type(m) is PackedLinear for m in linears) and mergeable(
             *linears) else None
         self._groups[(i, which)] = (linears, group)
-        return group if self.merge else None
+        return group
 
 
 def _gated_mlp(mlp: nn.Module, adapter) -> bool:

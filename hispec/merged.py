@@ -60,11 +60,8 @@ class MergedLinear:
                                      for b, m in zip(biases, self.members)]))
         if kernel not in self._copies:
             with torch.no_grad():
-                w = torch.cat([m.weight.detach() for m in self.members])
-                copy = (w.t().contiguous() if kernel is TRANSPOSED
-                        else torch.ops.mkldnn._reorder_linear_weight(w, packed._BATCH_HINT))
-                del w
-                self._copies[kernel] = copy if self._exact(kernel, copy) else None
+                copy = packed.kernel_copy(kernel, torch.cat([m.weight.detach() for m in self.members]))
+            self._copies[kernel] = copy if self._exact(kernel, copy) else None
             for m in self.members:  # the members' own copies for this kernel are no longer read
                 if kernel is TRANSPOSED:
                     m._transposed = m._tkey = None
@@ -73,11 +70,7 @@ class MergedLinear:
         return self._copies[kernel]
 
     def _product(self, kernel: str, copy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if kernel is TRANSPOSED:
-            y = torch.matmul(x, copy)
-            return y if self._bias is None else y + self._bias
-        return packed._linear_pointwise()(x if x.is_contiguous() else x.contiguous(), copy, self._bias, "none", [],
-                                          "")
+        return packed.multiply(kernel, x, copy, self._bias)
 
     def _exact(self, kernel: str, copy: torch.Tensor) -> bool:
         """Whether the merged product equals the members' own, bit for bit, on random inputs of `PROBE_POSITIONS`

@@ -131,6 +131,23 @@ def stock():
         _enabled.reset(token)
 
 
+def kernel_copy(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+    """The copy of an `[out, in]` weight that `kernel` (`PACKED` or `TRANSPOSED`) multiplies by."""
+    with torch.no_grad():
+        w = weight.detach()
+        return w.t().contiguous() if kernel is TRANSPOSED else torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+
+
+def multiply(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W^T + bias` through `kernel` (`PACKED` or `TRANSPOSED`) and its `kernel_copy` of W."""
+    if bias is not None:
+        bias = bias.detach()
+    if kernel is TRANSPOSED:
+        y = torch.matmul(x, copy)
+        return y if bias is None else y + bias
+    return _linear_pointwise()(x if x.is_contiguous() else x.contiguous(), copy, bias, "none", [], "")
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` (same `weight` / `bias` Parameters) that multiplies through the kernel chosen for its input's
     size: `one` for one-row inputs (one position of one row: a decoding step), `many` for the rest (verification
@@ -182,16 +199,14 @@ class PackedLinear(nn.Linear):
     def packed_weight(self) -> torch.Tensor:
         key = self._weight_key()
         if self._packed is None or self._key != key:
-            with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _BATCH_HINT)
+            self._packed = kernel_copy(PACKED, self.weight)
             self._key = key
         return self._packed
 
     def transposed_weight(self) -> torch.Tensor:
         key = self._weight_key()
         if self._transposed is None or self._tkey != key:
-            with torch.no_grad():
-                self._transposed = self.weight.detach().t().contiguous()
+            self._transposed = kernel_copy(TRANSPOSED, self.weight)
             self._tkey = key
         return self._transposed
 
@@ -214,12 +229,9 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x)
         if kernel is PACKED:
-            bias = self.bias.detach() if self.bias is not None else None
-            return _linear_pointwise()(x if x.is_contiguous() else x.contiguous(), self.packed_weight(), bias,
-                                       "none", [], "")
+            return multiply(PACKED, x, self.packed_weight(), self.bias)
         if kernel is TRANSPOSED:
-            y = torch.matmul(x, self.transposed_weight())
-            return y if self.bias is None else y + self.bias.detach()
+            return multiply(TRANSPOSED, x, self.transposed_weight(), self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def __getstate__(self):
