@@ -25,7 +25,7 @@ def test_ranges_over_holes_and_tree_masks_give_the_layers_own_outputs(family):
     for standard in (True, False):
         ad = DecoderAdapter(base)
         if standard:
-            assert ad.standard.grouped_sdpa  # GQA over several queries through sdpa's enable_gqa, exact here
+            assert ad.standard.direct_sdpa and ad.standard.lean and ad.standard.inline_rope  # all exact here
         else:
             ad.standard = None
         g = torch.Generator().manual_seed(1)
@@ -69,11 +69,66 @@ def test_a_layer_with_hooks_is_called_as_it_is_so_its_hooks_run():
     assert seen == [torch.Size([1, 4, ad.hidden_size])] and ad.standard is not None
 
 
-def test_grouped_attention_that_is_not_exact_is_not_used(monkeypatch):
+def test_direct_attention_that_is_not_exact_is_not_used(monkeypatch):
     from hispec.fused import StandardLayers
 
-    real = StandardLayers._grouped_attention
-    monkeypatch.setattr(StandardLayers, "_grouped_attention",
+    real = StandardLayers._sdpa
+    monkeypatch.setattr(StandardLayers, "_sdpa",
                         staticmethod(lambda attn, q, k, v, mask: real(attn, q, k, v, mask) * (1 + 1e-6)))
     ad = DecoderAdapter(tiny_model("llama"))
-    assert ad.standard is not None and not ad.standard.grouped_sdpa
+    assert ad.standard is not None and not ad.standard.direct_sdpa
+
+
+def test_one_query_over_a_masked_cache_gives_the_layers_own_output():
+    # transformers packs a K/V head's query heads as its queries there (`pack_gqa`); sdpa's enable_gqa differs by
+    # an ulp, so `_sdpa` packs them too and the probe (`_matches`) includes this step.
+    for standard in (True, False):
+        ad = DecoderAdapter(tiny_model("qwen2"))
+        if not standard:
+            ad.standard = None
+        cache = ad.new_cache(1)
+        ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2))
+        valid = torch.tensor([[True, True, False, True, True, True]])
+        pos = torch.arange(6)[None]
+        with torch.no_grad():
+            ad.run_layers(ad.embed(ids, pos), 0, ad.num_layers, position_ids=pos, cache=cache, valid=valid)
+            out = ad.run_layers(ad.embed(ids[:, :1], pos[:, :1] + 6), 0, ad.num_layers, position_ids=pos[:, :1] + 6,
+                                cache=cache)
+        if standard:
+            fast = out
+    assert torch.equal(fast, out)
+
+
+def test_a_norm_or_rotary_of_another_form_runs_through_its_module(monkeypatch):
+    import transformers.models.llama.modeling_llama as llama
+
+    real_norm = llama.LlamaRMSNorm.forward
+    monkeypatch.setattr(llama.LlamaRMSNorm, "forward", lambda self, x: real_norm(self, x) + 1)  # Gemma-like offset
+    ad = DecoderAdapter(tiny_model("llama"))
+    assert ad.standard is not None and ad.standard.lean and ad.standard.inline_rope
+    pos = torch.arange(4)[None]
+    ids = torch.randint(3, 97, (1, 4))
+    with torch.no_grad():
+        h = ad.run_layers(ad.embed(ids, pos), 0, ad.num_layers, position_ids=pos, cache=ad.new_cache(1))
+        assert not any(ad.standard._norms.values())  # probed, not Llama's form: called as modules
+        ad.standard = None
+        ref = ad.run_layers(ad.embed(ids, pos), 0, ad.num_layers, position_ids=pos, cache=ad.new_cache(1))
+    assert torch.equal(h, ref)
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a: (q * 2, k))
+    assert not DecoderAdapter(tiny_model("llama")).standard.inline_rope
+
+
+@pytest.mark.parametrize("child", ["input_layernorm", "q_proj", "o_proj", "act_fn", "down_proj"])
+def test_hooks_on_a_layers_parts_run(child):
+    ad = DecoderAdapter(tiny_model("llama"))
+    layer = ad.parts.layers[1]
+    module = dict(layer.named_modules())[{"q_proj": "self_attn.q_proj", "o_proj": "self_attn.o_proj",
+                                          "act_fn": "mlp.act_fn", "down_proj": "mlp.down_proj"}.get(child, child)]
+    seen = []
+    handle = module.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    pos = torch.arange(3)[None]
+    with torch.no_grad():
+        ad.run_layers(ad.embed(torch.randint(3, 97, (1, 3)), pos), 0, ad.num_layers, position_ids=pos,
+                      cache=ad.new_cache(1))
+    handle.remove()
+    assert len(seen) == 1 and ad.standard is not None
