@@ -14,8 +14,8 @@ EPYC core, 30 layers' linears: 39 ms as 210 products, 33 ms as 120; docs/results
 layer read the same bytes with fewer starts.
 
 Exactness: each output column of a product is one dot product over the input size. The transposed kernel (`x @
-W^T` from an `[in, out]` copy) and oneDNN's prepacked kernel block over the output columns and reduce each column
-in the same order whatever the number of columns, so the merged product equals the members' products bit for bit
+W^T` from an `[in, out]` copy), the streamed one (`hispec.matvec`) and oneDNN's prepacked kernel block over the
+output columns and reduce each column in the same order whatever the number of columns, so the merged product equals the members' products bit for bit
 (checked on fp32 SmolLM2: every layer, 1-16 positions). The stock `nn.functional.linear` does not promise that
 (its many-row products differed in the last bits merged), so stock kernels are never merged, and every kernel is
 checked once per merged group on random inputs of 1, 2, 5 and 16 positions before it is used (`_exact`).
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import packed
-from .packed import STOCK, TRANSPOSED, PackedLinear
+from .packed import PACKED, STOCK, PackedLinear
 
 PROBE_POSITIONS = (1, 2, 5, 16)  # the input sizes `_exact` compares merged and separate products on
 
@@ -63,10 +63,10 @@ class MergedLinear:
                 copy = packed.kernel_copy(kernel, torch.cat([m.weight.detach() for m in self.members]))
             self._copies[kernel] = copy if self._exact(kernel, copy) else None
             for m in self.members:  # the members' own copies for this kernel are no longer read
-                if kernel is TRANSPOSED:
-                    m._transposed = m._tkey = None
-                else:
+                if kernel is PACKED:
                     m._packed = m._key = None
+                else:  # (TRANSPOSED and STREAMED read the same [in, out] copy)
+                    m._transposed = m._tkey = None
         return self._copies[kernel]
 
     def _product(self, kernel: str, copy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

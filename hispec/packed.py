@@ -31,7 +31,8 @@ transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock s
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
 is the whole model streaming its weights. So the default (`pack=None`) packs the model and times all its linear
 layers (`speed_ratio`: every weight streamed once) over 1, 2 and 4 positions with each kernel: stock, the prepacked
-one, and a transposed `[in, out]` copy (`x @ W^T`). A kernel's ratio is the median over 5 rounds of its time over the
+one, a transposed `[in, out]` copy (`x @ W^T`) and, for one row in fp32 where it builds, `hispec.matvec`'s streamed
+product over that copy. A kernel's ratio is the median over 5 rounds of its time over the
 stock time measured next to it. Per input size the fastest kernel that took at most `PAYS_BELOW` of the stock time
 is kept (`kernels_that_pay`: one kernel for one-row products, one for the rest). fp32 SmolLM2 on an AVX2-only EPYC
 core (tools/pass_profile.py): a one-position pass 72 ms stock, 92 ms packed, 67 ms transposed; two positions 137 ms
@@ -60,13 +61,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import matvec
 from .io import cpu_model, write_json
 
 KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorded in latency calibrations)
 STOCK = "stock"
 PACKED = KIND  # a kernel: the oneDNN-prepacked product
 TRANSPOSED = "transposed"  # a kernel: x @ W^T from a contiguous [in, out] copy of W (a one-row product as long reads)
-KERNELS = (STOCK, PACKED, TRANSPOSED)
+STREAMED = "streamed"  # a one-row kernel: `hispec.matvec` over the same [in, out] copy (fp32, AVX2)
+KERNELS = (STOCK, PACKED, TRANSPOSED, STREAMED)
 MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-position pass
 PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
@@ -132,16 +135,21 @@ def stock():
 
 
 def kernel_copy(kernel: str, weight: torch.Tensor) -> torch.Tensor:
-    """The copy of an `[out, in]` weight that `kernel` (`PACKED` or `TRANSPOSED`) multiplies by."""
+    """The copy of an `[out, in]` weight that `kernel` (`PACKED`, `TRANSPOSED` or `STREAMED`) multiplies by."""
     with torch.no_grad():
         w = weight.detach()
-        return w.t().contiguous() if kernel is TRANSPOSED else torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+        if kernel is PACKED:
+            return torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+        return w.t().contiguous()  # (TRANSPOSED and STREAMED read the same [in, out] copy)
 
 
 def multiply(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W^T + bias` through `kernel` (`PACKED` or `TRANSPOSED`) and its `kernel_copy` of W."""
+    """`x @ W^T + bias` through `kernel` (`PACKED`, `TRANSPOSED` or, for one row, `STREAMED`) and its `kernel_copy`
+    of W."""
     if bias is not None:
         bias = bias.detach()
+    if kernel is STREAMED:
+        return matvec.matvec(x, copy, bias)
     if kernel is TRANSPOSED:
         y = torch.matmul(x, copy)
         return y if bias is None else y + bias
@@ -153,7 +161,8 @@ class PackedLinear(nn.Linear):
     size: `one` for one-row inputs (one position of one row: a decoding step), `many` for the rest (verification
     passes, batches, prompts). Kernels: `PACKED` (a oneDNN-prepacked copy of the weight), `TRANSPOSED` (a contiguous
     `[in, out]` copy, `x @ copy`: a one-row product reads the weight as long contiguous rows, measured faster than
-    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py) and `STOCK` (`nn.functional.linear`). The copies are
+    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py), `STREAMED` (one-row inputs only: `hispec.matvec`
+    over that transposed copy) and `STOCK` (`nn.functional.linear`). The copies are
     made on first use and remade when the weight changes (in-place update, `.to()`); they are not part of the state
     dict and are dropped by copy / pickle."""
 
@@ -176,12 +185,16 @@ class PackedLinear(nn.Linear):
         unknown = {one, many} - set(KERNELS)
         if unknown:
             raise ValueError(f"unknown linear kernel(s) {sorted(unknown)}; choose from {', '.join(KERNELS)}")
-        self.one, self.many = [canonical[k] if k != PACKED or ok else STOCK for k in (one, many)]
+        if many == STREAMED:
+            raise ValueError(f"{STREAMED} is a one-row kernel; inputs of several rows take {', '.join(KERNELS[:3])}")
+        streams = self.weight.dtype == torch.float32 and matvec.available()
+        self.one, self.many = [STOCK if (k == PACKED and not ok) or (k == STREAMED and not streams) else canonical[k]
+                               for k in (one, many)]
         if keep_copies:
             return
         if PACKED not in (self.one, self.many):
             self._packed = self._key = None
-        if TRANSPOSED not in (self.one, self.many):
+        if not {TRANSPOSED, STREAMED} & {self.one, self.many}:
             self._transposed = self._tkey = None
 
     @classmethod
@@ -230,8 +243,8 @@ class PackedLinear(nn.Linear):
         kernel = self._kernel(x)
         if kernel is PACKED:
             return multiply(PACKED, x, self.packed_weight(), self.bias)
-        if kernel is TRANSPOSED:
-            return multiply(TRANSPOSED, x, self.transposed_weight(), self.bias)
+        if kernel is TRANSPOSED or kernel is STREAMED:
+            return multiply(kernel, x, self.transposed_weight(), self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
     def __getstate__(self):
@@ -354,6 +367,8 @@ def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[
     linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
     dtype = next(module.parameters()).dtype
     kernels = [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
+    if dtype == torch.float32 and matvec.available():
+        kernels.append(STREAMED)  # (one-row inputs only)
     g = torch.Generator().manual_seed(0)
     xs = {t: {n: torch.randn(1, t, n, generator=g).to(dtype) for n in {m.in_features for m in linears}}
           for t in rows}
@@ -362,19 +377,20 @@ def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[
         for rep in range(repeats + 1):  # the first round warms up (and makes the copies)
             for t, x in xs.items():
                 took = {}
-                for k in (STOCK, *kernels):
+                for k in (STOCK, *(k for k in kernels if t == 1 or k is not STREAMED)):
                     for m in linears:
-                        m.set_kernels(k, k, keep_copies=True)
+                        m.set_kernels(k, k if k is not STREAMED else STOCK, keep_copies=True)
                     t0 = time.perf_counter()
                     for m in linears:
                         m(x[m.in_features])
                     took[k] = time.perf_counter() - t0
                 if rep:
-                    for k in kernels:
-                        ratios[k, t].append(took[k] / max(took[STOCK], 1e-12))
+                    for k in took:
+                        if k is not STOCK:
+                            ratios[k, t].append(took[k] / max(took[STOCK], 1e-12))
     for m in linears:
         m.set_kernels(PACKED, PACKED)
-    return {t: {k: statistics.median(ratios[k, t]) for k in kernels} for t in rows}
+    return {t: {k: statistics.median(ratios[k, t]) for k in kernels if ratios[k, t]} for t in rows}
 
 
 def _ratios(measured) -> dict[int, dict[str, float]]:
@@ -425,7 +441,9 @@ def _ratio_for(module: nn.Module) -> dict[int, dict[str, float]]:
     if key in _pays:
         return _pays[key]
     path = memo_path()
-    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median"])  # (what speed_ratio times)
+    kernels = [PACKED, TRANSPOSED] + ([STREAMED] if key[2] == torch.float32 and matvec.available() else [])
+    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median",
+                           *kernels])  # (what speed_ratio times: a memo without a kernel this machine has is redone)
     try:
         memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except (OSError, ValueError):

@@ -9,13 +9,15 @@ from torch import nn
 from tiny import tiny_model
 
 import hispec
-from hispec import merged, packed
+from hispec import matvec, merged, packed
 from hispec.merged import MergedLinear
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this torch has no oneDNN prepacked linear")
 
 STANDARD = ["llama", "mistral-sliding", "qwen2", "qwen3"]
-KERNEL_PAIRS = [(packed.TRANSPOSED, packed.PACKED), (packed.PACKED, packed.PACKED)]
+KERNEL_PAIRS = [(packed.TRANSPOSED, packed.PACKED), (packed.PACKED, packed.PACKED),
+                pytest.param((packed.STREAMED, packed.PACKED), marks=pytest.mark.skipif(
+                    not matvec.available(), reason="no AVX2 + FMA x86 CPU or no C compiler here"))]
 
 
 def _members(bias: bool, kernels=(packed.TRANSPOSED, packed.PACKED), sizes=(24, 8, 8), seed=0):

@@ -147,9 +147,35 @@ def test_greedy_on_a_packed_model_equals_hf_generate_for_every_strategy(family):
     assert torch.equal(out.sequences, ref)
 
 
+ONE_ROW = [packed.TRANSPOSED, pytest.param(packed.STREAMED, marks=pytest.mark.skipif(
+    not hispec.matvec.available(), reason="no AVX2 + FMA x86 CPU or no C compiler here"))]
+
+
+@pytest.mark.parametrize("one", ONE_ROW)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_with_a_one_row_kernel_equals_hf_generate_for_every_strategy(family, one):
+    """A kernel for one-row products (a single sequence's one-position passes) beside the prepacked one for the
+    rest: every strategy still gives transformers' greedy `generate` of the same model. (A batch's rows never take
+    the one-row kernel: the test above.)"""
+    model = _wrap(tiny_model(family))
+    packed.pack(model.base, (one, packed.PACKED))
+    packed.pack(model.heads, (one, packed.PACKED))
+    model.adapter.refresh_modules()
+    assert packed.kind(model.base) == f"one row {one}, more {packed.PACKED}"
+    ids, am = _ids()
+    ids, am = ids[:1], am[:1]
+    ref = _hf(model.base, ids, am, 15)
+    for strategy in STRATEGIES:
+        out = model.generate(ids, am, max_new_tokens=15, strategy=strategy, gamma=3, window=3)
+        assert torch.equal(out.sequences, ref), strategy
+    out = model.generate(ids, am, max_new_tokens=15, strategy="self-spec", tree=[3, 2])
+    assert torch.equal(out.sequences, ref)
+
+
 def test_sampling_on_a_packed_model_keeps_its_distribution():
     """One chi-square check (with the rule-breaking control of test_decoding) on a packed tiny model: the
-    distribution is the packed model's own, enumerated from its logits."""
+    distribution is the packed model's own, enumerated from its logits. (Its draws are rows of one batch, so no
+    one-row kernel takes part.)"""
     from test_decoding import _chi2_pvalue, _draw, _exact_joint, _tiny_vocab_model
 
     model = _tiny_vocab_model()
@@ -252,7 +278,9 @@ def test_the_speed_ratio_measurement_times_the_model_both_ways_and_unpack_restor
     base = tiny_model("llama")
     before = {name: p for name, p in base.named_parameters()}
     r = REAL_SPEED_RATIO(base, rows=(1, 2), repeats=1)
-    assert set(r) == {1, 2} and all(set(v) == {packed.PACKED, packed.TRANSPOSED} for v in r.values())
+    streamed = {packed.STREAMED} if hispec.matvec.available() else set()  # (one-row inputs only)
+    assert set(r) == {1, 2} and set(r[1]) == {packed.PACKED, packed.TRANSPOSED, *streamed}
+    assert set(r[2]) == {packed.PACKED, packed.TRANSPOSED}
     assert all(0.01 < x < 100 for v in r.values() for x in v.values()) and packed.kind(base) == packed.KIND
     assert packed.unpack(base) > 0 and packed.kind(base) == packed.STOCK
     assert all(type(m) is torch.nn.Linear for m in base.modules() if isinstance(m, torch.nn.Linear))

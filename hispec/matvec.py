@@ -1,0 +1,148 @@
+"""A one-row fp32 product that streams the weight at the core's bandwidth: `x @ W^T` for a single input row from a
+contiguous `[in, out]` copy of W, as a small C loop compiled on first use.
+
+Contract: `available()` says whether this machine can run it (x86-64 with AVX2 and FMA, a C compiler on PATH, the
+library built and checked against torch's product); `matvec(x, copy, bias)` returns `x @ copy (+ bias)` for fp32 `x`
+of one row (`x.numel() == copy.shape[0]`) as torch would shape it. `hispec.packed` offers it as the kernel `STREAMED`
+for one-row products and keeps it only where `speed_ratio` measures it faster than the others on the model's own
+linears.
+
+Why: a one-position pass of a small model is ~120 matrix-vector products of 1-7 MB each. torch hands them to its
+BLAS, which on an AVX2 EPYC core streamed SmolLM2's layer weights at 11-12 GB/s where one 450 MB product reaches
+16-17 GB/s (docs/results.md §The pass): the fixed cost per call and the ramp of the hardware prefetchers over a few
+MB. This loop reads eight weight rows at once, each a long contiguous stream, and keeps the output block in L1:
+13.5-14 GB/s on the same weights (0.79x of the BLAS time, interleaved). Ecosystem: torch has no other one-row CPU
+kernel (its GEMV is the BLAS's; oneDNN's prepacked product was slower at one row here, `hispec.packed`);
+`torch.utils.cpp_extension` would need torch's headers, ninja and ~1 min of compilation per machine, where this is
+a 40-line C file built by the system compiler in under a second and called through ctypes (~2 us per call).
+
+Exactness: every output column is one FMA chain over the input in index order, whatever the number of columns or
+how they are blocked, so a product over concatenated weights (`hispec.merged`) equals the separate products bit for
+bit. Against torch's product the sums run in another order, like every non-stock kernel (`hispec.packed`,
+Exactness): logits move in the last bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <immintrin.h>
+#define COLS 8192 /* output columns per block: the block's partial sums stay in L1 */
+/* y[n] = sum_k x[k] * w[k * N + n], one FMA chain per column in k order */
+void hispec_matvec(const float* x, const float* w, float* y, long K, long N) {
+    for (long n0 = 0; n0 < N; n0 += COLS) {
+        long nb = N - n0 < COLS ? N - n0 : COLS;
+        float* yb = y + n0;
+        for (long n = 0; n < nb; n++) yb[n] = 0.f;
+        long k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const float* r = w + k * N + n0;
+            __m256 xv[8];
+            for (int j = 0; j < 8; j++) xv[j] = _mm256_set1_ps(x[k + j]);
+            long n = 0;
+            for (; n + 8 <= nb; n += 8) {
+                __m256 acc = _mm256_loadu_ps(yb + n);
+                for (int j = 0; j < 8; j++) acc = _mm256_fmadd_ps(xv[j], _mm256_loadu_ps(r + j * N + n), acc);
+                _mm256_storeu_ps(yb + n, acc);
+            }
+            for (; n < nb; n++) {
+                float a = yb[n];
+                for (int j = 0; j < 8; j++) a = __builtin_fmaf(x[k + j], r[j * N + n], a);
+                yb[n] = a;
+            }
+        }
+        for (; k < K; k++) {
+            const float* r = w + k * N + n0;
+            for (long n = 0; n < nb; n++) yb[n] = __builtin_fmaf(x[k], r[n], yb[n]);
+        }
+    }
+}
+"""
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+_lib = None  # the loaded function, False where unavailable (decided once per process)
+
+
+def library_path() -> Path:
+    """Where the compiled library is kept: `$HISPEC_CACHE_DIR/kernels/`, else ~/.cache/hispec/kernels/, named by the
+    hash of its source and flags."""
+    root = os.environ.get("HISPEC_CACHE_DIR") or Path.home() / ".cache" / "hispec"
+    digest = hashlib.sha256((SOURCE + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    return Path(root).expanduser() / "kernels" / f"matvec-{digest}.so"
+
+
+def _supported() -> bool:
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+def _build(path: Path) -> None:
+    """Compile `SOURCE` into `path` (written to a temporary name in its folder, then renamed: never half a file)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, out = Path(tmp) / "matvec.c", Path(tmp) / path.name
+        src.write_text(SOURCE)
+        subprocess.run([cc, *FLAGS, "-o", str(out), str(src)], check=True, capture_output=True, timeout=120)
+        os.replace(out, path)
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        _lib = False
+        if _supported():
+            try:
+                path = library_path()
+                if not path.is_file():
+                    _build(path)
+                fn = ctypes.CDLL(str(path)).hispec_matvec
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+                fn.restype = None
+                _lib = fn
+                if not _agrees():
+                    _lib = False
+            except (OSError, subprocess.SubprocessError, AttributeError):
+                _lib = False
+    return _lib
+
+
+def _agrees() -> bool:
+    """Whether the library's products match torch's (to fp32 rounding) on shapes that take every code path."""
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((19, 13), (64, 8200), (576, 960)):
+        x, w = torch.randn(k, generator=g), torch.randn(k, n, generator=g)
+        if not torch.allclose(matvec(x, w), (x.double() @ w.double()).float(), rtol=1e-4, atol=1e-4):
+            return False
+    return True
+
+
+def available() -> bool:
+    """Whether `matvec` runs on this machine (built and checked on first call; False on non-x86 or pre-AVX2 CPUs,
+    without a C compiler, or where the check fails)."""
+    return bool(_load())
+
+
+def matvec(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ copy (+ bias)` for one fp32 row `x` (`[..., in]` with one row in all) and a contiguous fp32 `[in, out]`
+    `copy`, shaped `[..., out]`. Call only where `available()`."""
+    fn = _lib or _load()
+    k, n = copy.shape
+    if x.dtype != torch.float32 or copy.dtype != torch.float32 or x.numel() != k or not copy.is_contiguous():
+        raise ValueError(f"matvec takes one fp32 row of {k} and a contiguous fp32 [{k}, {n}] copy; got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(copy.shape)} {copy.dtype}")
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], n)
+    fn(x.data_ptr(), copy.data_ptr(), y.data_ptr(), k, n)
+    return y if bias is None else y + bias

@@ -1,0 +1,78 @@
+"""hispec.matvec: the one-row fp32 product, its build, and its place among hispec.packed's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hispec import matvec, packed
+
+needs = pytest.mark.skipif(not matvec.available(), reason="no AVX2 + FMA x86 CPU or no C compiler here")
+
+
+@needs
+@pytest.mark.parametrize("k,n", [(1, 1), (7, 5), (16, 8), (19, 13), (576, 960), (64, 8200), (33, 16391)])
+def test_the_product_is_x_times_the_copy(k, n):
+    g = torch.Generator().manual_seed(k * n)
+    x, w, b = torch.randn(1, 1, k, generator=g), torch.randn(k, n, generator=g), torch.randn(n, generator=g)
+    ref = (x.double() @ w.double()).float()
+    y = matvec.matvec(x, w)
+    assert y.shape == (1, 1, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(matvec.matvec(x[0, 0], w, b), ref[0, 0] + b, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@needs
+def test_each_column_is_summed_alike_whatever_the_columns_beside_it():
+    # what makes a merged product (hispec.merged) the separate products bit for bit
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 576, generator=g)
+    parts = [torch.randn(576, n, generator=g) for n in (576, 192, 192, 8200)]
+    whole = matvec.matvec(x, torch.cat(parts, 1))
+    assert torch.equal(whole, torch.cat([matvec.matvec(x, p) for p in parts], -1))
+
+
+@needs
+def test_bad_inputs_are_refused_before_the_call():
+    w = torch.randn(8, 4)
+    for x, copy in [(torch.randn(2, 8), w), (torch.randn(1, 8).double(), w), (torch.randn(1, 8), w.t())]:
+        with pytest.raises(ValueError, match="one fp32 row"):
+            matvec.matvec(x, copy)
+
+
+def test_it_builds_into_the_cache_folder_and_is_unavailable_where_it_cannot_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(matvec, "_lib", None)
+    if matvec._supported() and (matvec.shutil.which("cc") or matvec.shutil.which("gcc")):
+        assert matvec.available() and matvec.library_path().is_file()
+        assert matvec.library_path().parent == tmp_path / "kernels"
+        assert [p.name for p in (tmp_path / "kernels").iterdir()] == [matvec.library_path().name]  # no leftovers
+    monkeypatch.setattr(matvec, "_lib", None)
+    monkeypatch.setattr(matvec, "_supported", lambda: False)  # e.g. an ARM or pre-AVX2 CPU
+    assert not matvec.available()
+    lin = packed.PackedLinear.wrap(torch.nn.Linear(8, 4))
+    lin.set_kernels(packed.STREAMED, packed.PACKED)
+    assert lin.one == packed.STOCK  # not here: the stock product
+    monkeypatch.setattr(matvec, "_lib", None)
+    monkeypatch.setattr(matvec, "_supported", lambda: True)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("HISPEC_CACHE_DIR", str(tmp_path / "fresh"))
+    assert not matvec.available()
+    monkeypatch.setattr(matvec, "_lib", None)
+
+
+@needs
+def test_a_packed_linear_streams_one_row_and_refuses_it_for_several():
+    torch.manual_seed(0)
+    lin = packed.PackedLinear.wrap(torch.nn.Linear(48, 80))
+    lin.set_kernels(packed.STREAMED, packed.PACKED)
+    one, four = torch.randn(1, 1, 48), torch.randn(1, 4, 48)
+    with torch.no_grad():
+        assert lin._kernel(one) is packed.STREAMED and lin._kernel(four) is packed.PACKED
+        torch.testing.assert_close(lin(one), torch.nn.functional.linear(one, lin.weight, lin.bias))
+        assert torch.equal(lin(one), matvec.matvec(one, lin.weight.t().contiguous(), lin.bias))
+        with torch.enable_grad():
+            lin.weight.requires_grad_(True)
+            assert lin._kernel(one) is packed.STOCK  # autograd on the weight: the stock product
+    with pytest.raises(ValueError, match="one-row kernel"):
+        lin.set_kernels(packed.PACKED, packed.STREAMED)
