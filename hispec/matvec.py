@@ -37,15 +37,16 @@ import torch
 
 SOURCE = r"""
 #include <immintrin.h>
-#define COLS 8192 /* output columns per block: the block's partial sums stay in L1 */
-/* y[n] = sum_k x[k] * w[k * N + n], one FMA chain per column in k order */
-void hispec_matvec(const float* x, const float* w, float* y, long K, long N) {
+/* y[t, n] = sum_k x[t, k] * w[k * N + n]: one FMA chain per (t, n) in k order, whatever T, N or the blocking, so a
+   row's result is the same in a product of one row or of several, and a column's beside any other columns. */
+#define COLS 8192 /* one row: output columns per block, kept in L1 */
+static void one_row(const float* x, const float* w, float* y, long K, long N) {
     for (long n0 = 0; n0 < N; n0 += COLS) {
         long nb = N - n0 < COLS ? N - n0 : COLS;
         float* yb = y + n0;
         for (long n = 0; n < nb; n++) yb[n] = 0.f;
         long k = 0;
-        for (; k + 8 <= K; k += 8) {
+        for (; k + 8 <= K; k += 8) {  /* eight weight rows streamed at once */
             const float* r = w + k * N + n0;
             __m256 xv[8];
             for (int j = 0; j < 8; j++) xv[j] = _mm256_set1_ps(x[k + j]);
@@ -67,7 +68,48 @@ void hispec_matvec(const float* x, const float* w, float* y, long K, long N) {
         }
     }
 }
+#define RCOLS 1024 /* several rows: T x RCOLS partial sums kept in L1 */
+static void few_rows(const float* x, const float* w, float* y, long T, long K, long N) {
+    for (long n0 = 0; n0 < N; n0 += RCOLS) {
+        long nb = N - n0 < RCOLS ? N - n0 : RCOLS;
+        for (long t = 0; t < T; t++) for (long n = 0; n < nb; n++) y[t * N + n0 + n] = 0.f;
+        long k = 0;
+        for (; k + 4 <= K; k += 4) {  /* four weight rows loaded once for all T input rows */
+            const float* r = w + k * N + n0;
+            long n = 0;
+            for (; n + 8 <= nb; n += 8) {
+                __m256 w0 = _mm256_loadu_ps(r + n), w1 = _mm256_loadu_ps(r + N + n);
+                __m256 w2 = _mm256_loadu_ps(r + 2 * N + n), w3 = _mm256_loadu_ps(r + 3 * N + n);
+                for (long t = 0; t < T; t++) {
+                    const float* xt = x + t * K + k;
+                    float* yt = y + t * N + n0 + n;
+                    __m256 acc = _mm256_loadu_ps(yt);
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt), w0, acc);
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 1), w1, acc);
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 2), w2, acc);
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + 3), w3, acc);
+                    _mm256_storeu_ps(yt, acc);
+                }
+            }
+            for (; n < nb; n++) for (long t = 0; t < T; t++) {
+                float a = y[t * N + n0 + n];
+                for (int j = 0; j < 4; j++) a = __builtin_fmaf(x[t * K + k + j], r[j * N + n], a);
+                y[t * N + n0 + n] = a;
+            }
+        }
+        for (; k < K; k++) {
+            const float* r = w + k * N + n0;
+            for (long t = 0; t < T; t++) for (long n = 0; n < nb; n++)
+                y[t * N + n0 + n] = __builtin_fmaf(x[t * K + k], r[n], y[t * N + n0 + n]);
+        }
+    }
+}
+void hispec_matvec(const float* x, const float* w, float* y, long T, long K, long N) {
+    if (T == 1) one_row(x, w, y, K, N);
+    else few_rows(x, w, y, T, K, N);
+}
 """
+MAX_ROWS = 8  # rows the loop multiplies; `matvec` hands larger inputs to torch's product over the same copy
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 _lib = None  # the loaded function, False where unavailable (decided once per process)
 
@@ -108,7 +150,7 @@ def _load():
                 if not path.is_file():
                     _build(path)
                 fn = ctypes.CDLL(str(path)).hispec_matvec
-                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
                 fn.restype = None
                 _lib = fn
                 if not _agrees():
@@ -119,11 +161,15 @@ def _load():
 
 
 def _agrees() -> bool:
-    """Whether the library's products match torch's (to fp32 rounding) on shapes that take every code path."""
+    """Whether the library's products match torch's (to fp32 rounding) on shapes that take every code path, and a
+    row's result is the same alone or among others."""
     g = torch.Generator().manual_seed(0)
-    for k, n in ((19, 13), (64, 8200), (576, 960)):
-        x, w = torch.randn(k, generator=g), torch.randn(k, n, generator=g)
-        if not torch.allclose(matvec(x, w), (x.double() @ w.double()).float(), rtol=1e-4, atol=1e-4):
+    for t, k, n in ((1, 19, 13), (1, 64, 8200), (3, 19, 13), (5, 64, 1030), (8, 576, 960)):
+        x, w = torch.randn(t, k, generator=g), torch.randn(k, n, generator=g)
+        y = matvec(x, w)
+        if not torch.allclose(y, (x.double() @ w.double()).float(), rtol=1e-4, atol=1e-4):
+            return False
+        if not torch.equal(y[-1:], matvec(x[-1:], w)):
             return False
     return True
 
@@ -135,14 +181,19 @@ def available() -> bool:
 
 
 def matvec(x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ copy (+ bias)` for one fp32 row `x` (`[..., in]` with one row in all) and a contiguous fp32 `[in, out]`
-    `copy`, shaped `[..., out]`. Call only where `available()`."""
-    fn = _lib or _load()
+    """`x @ copy (+ bias)` for fp32 `x` (`[..., in]`) and a contiguous fp32 `[in, out]` `copy`, shaped `[..., out]`:
+    through the loop for up to `MAX_ROWS` rows, through torch's product over the same copy beyond (prompts, where
+    the product is bound by arithmetic, not by reading the weight). Call only where `available()`."""
     k, n = copy.shape
-    if x.dtype != torch.float32 or copy.dtype != torch.float32 or x.numel() != k or not copy.is_contiguous():
-        raise ValueError(f"matvec takes one fp32 row of {k} and a contiguous fp32 [{k}, {n}] copy; got "
+    if x.dtype != torch.float32 or copy.dtype != torch.float32 or x.shape[-1] != k or not copy.is_contiguous():
+        raise ValueError(f"matvec takes fp32 rows of {k} and a contiguous fp32 [{k}, {n}] copy; got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(copy.shape)} {copy.dtype}")
+    rows = x.numel() // k if k else 0
+    if rows > MAX_ROWS or rows == 0:
+        y = torch.matmul(x, copy)
+        return y if bias is None else y + bias
+    fn = _lib or _load()
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n)
-    fn(x.data_ptr(), copy.data_ptr(), y.data_ptr(), k, n)
+    fn(x.data_ptr(), copy.data_ptr(), y.data_ptr(), rows, k, n)
     return y if bias is None else y + bias

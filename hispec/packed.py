@@ -31,8 +31,8 @@ transformers' greedy `generate` on SmolLM2-135M ran at 0.83-0.87x of its stock s
 and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of the stock time packed): what decides
 is the whole model streaming its weights. So the default (`pack=None`) packs the model and times all its linear
 layers (`speed_ratio`: every weight streamed once) over 1, 2 and 4 positions with each kernel: stock, the prepacked
-one, a transposed `[in, out]` copy (`x @ W^T`) and, for one row in fp32 where it builds, `hispec.matvec`'s streamed
-product over that copy. A kernel's ratio is the median over 5 rounds of its time over the
+one, a transposed `[in, out]` copy (`x @ W^T`) and, in fp32 where it builds, `hispec.matvec`'s streamed product
+over that copy. A kernel's ratio is the median over 5 rounds of its time over the
 stock time measured next to it. Per input size the fastest kernel that took at most `PAYS_BELOW` of the stock time
 is kept (`kernels_that_pay`: one kernel for one-row products, one for the rest). fp32 SmolLM2 on an AVX2-only EPYC
 core (tools/pass_profile.py): a one-position pass 72 ms stock, 92 ms packed, 67 ms transposed; two positions 137 ms
@@ -68,7 +68,7 @@ KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorde
 STOCK = "stock"
 PACKED = KIND  # a kernel: the oneDNN-prepacked product
 TRANSPOSED = "transposed"  # a kernel: x @ W^T from a contiguous [in, out] copy of W (a one-row product as long reads)
-STREAMED = "streamed"  # a one-row kernel: `hispec.matvec` over the same [in, out] copy (fp32, AVX2)
+STREAMED = "streamed"  # `hispec.matvec` over the same [in, out] copy (fp32, AVX2; past 8 rows: PACKED's product)
 KERNELS = (STOCK, PACKED, TRANSPOSED, STREAMED)
 MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-position pass
 PACK_DTYPES = (torch.float32, torch.bfloat16)
@@ -144,8 +144,7 @@ def kernel_copy(kernel: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def multiply(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W^T + bias` through `kernel` (`PACKED`, `TRANSPOSED` or, for one row, `STREAMED`) and its `kernel_copy`
-    of W."""
+    """`x @ W^T + bias` through `kernel` (`PACKED`, `TRANSPOSED` or `STREAMED`) and its `kernel_copy` of W."""
     if bias is not None:
         bias = bias.detach()
     if kernel is STREAMED:
@@ -161,8 +160,9 @@ class PackedLinear(nn.Linear):
     size: `one` for one-row inputs (one position of one row: a decoding step), `many` for the rest (verification
     passes, batches, prompts). Kernels: `PACKED` (a oneDNN-prepacked copy of the weight), `TRANSPOSED` (a contiguous
     `[in, out]` copy, `x @ copy`: a one-row product reads the weight as long contiguous rows, measured faster than
-    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py), `STREAMED` (one-row inputs only: `hispec.matvec`
-    over that transposed copy) and `STOCK` (`nn.functional.linear`). The copies are
+    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py), `STREAMED` (`hispec.matvec` over that transposed copy:
+    a row's product is the same alone or among up to 8 rows; more rows, a prompt's, take `PACKED`, whose GEMM is
+    faster there: 0.70-0.79x of torch's product over the copy on fp32 SmolLM2, 16-64 positions, AVX2 EPYC) and `STOCK` (`nn.functional.linear`). The copies are
     made on first use and remade when the weight changes (in-place update, `.to()`); they are not part of the state
     dict and are dropped by copy / pickle."""
 
@@ -185,14 +185,13 @@ class PackedLinear(nn.Linear):
         unknown = {one, many} - set(KERNELS)
         if unknown:
             raise ValueError(f"unknown linear kernel(s) {sorted(unknown)}; choose from {', '.join(KERNELS)}")
-        if many == STREAMED:
-            raise ValueError(f"{STREAMED} is a one-row kernel; inputs of several rows take {', '.join(KERNELS[:3])}")
         streams = self.weight.dtype == torch.float32 and matvec.available()
         self.one, self.many = [STOCK if (k == PACKED and not ok) or (k == STREAMED and not streams) else canonical[k]
                                for k in (one, many)]
+        self._beyond = PACKED if ok else TRANSPOSED  # past `matvec.MAX_ROWS` rows, where `many` is STREAMED
         if keep_copies:
             return
-        if PACKED not in (self.one, self.many):
+        if PACKED not in (self.one, self.many, self._beyond if self.many is STREAMED else None):
             self._packed = self._key = None
         if not {TRANSPOSED, STREAMED} & {self.one, self.many}:
             self._transposed = self._tkey = None
@@ -232,7 +231,12 @@ class PackedLinear(nn.Linear):
         w = self.weight
         if (x.is_cpu and w.is_cpu and x.dtype == w.dtype and x.dim() >= 2 and x.shape[-1] == self.in_features
                 and _enabled.get() and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
-            return self.one if x.numel() == self.in_features else self.many
+            n = x.numel()
+            if n == self.in_features:
+                return self.one
+            if self.many is STREAMED and n > matvec.MAX_ROWS * self.in_features:
+                return self._beyond  # a prompt's many rows: bound by arithmetic, where oneDNN's GEMM is faster
+            return self.many
         return STOCK
 
     def covers(self, x: torch.Tensor) -> bool:
@@ -368,7 +372,7 @@ def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[
     dtype = next(module.parameters()).dtype
     kernels = [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
     if dtype == torch.float32 and matvec.available():
-        kernels.append(STREAMED)  # (one-row inputs only)
+        kernels.append(STREAMED)
     g = torch.Generator().manual_seed(0)
     xs = {t: {n: torch.randn(1, t, n, generator=g).to(dtype) for n in {m.in_features for m in linears}}
           for t in rows}
@@ -377,9 +381,9 @@ def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[
         for rep in range(repeats + 1):  # the first round warms up (and makes the copies)
             for t, x in xs.items():
                 took = {}
-                for k in (STOCK, *(k for k in kernels if t == 1 or k is not STREAMED)):
+                for k in (STOCK, *kernels):
                     for m in linears:
-                        m.set_kernels(k, k if k is not STREAMED else STOCK, keep_copies=True)
+                        m.set_kernels(k, k, keep_copies=True)
                     t0 = time.perf_counter()
                     for m in linears:
                         m(x[m.in_features])
@@ -442,7 +446,7 @@ def _ratio_for(module: nn.Module) -> dict[int, dict[str, float]]:
         return _pays[key]
     path = memo_path()
     kernels = [PACKED, TRANSPOSED] + ([STREAMED] if key[2] == torch.float32 and matvec.available() else [])
-    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median",
+    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median-2",
                            *kernels])  # (what speed_ratio times: a memo without a kernel this machine has is redone)
     try:
         memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}

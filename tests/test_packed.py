@@ -147,21 +147,21 @@ def test_greedy_on_a_packed_model_equals_hf_generate_for_every_strategy(family):
     assert torch.equal(out.sequences, ref)
 
 
-ONE_ROW = [packed.TRANSPOSED, pytest.param(packed.STREAMED, marks=pytest.mark.skipif(
-    not hispec.matvec.available(), reason="no AVX2 + FMA x86 CPU or no C compiler here"))]
+KERNEL_PAIRS = [(packed.TRANSPOSED, packed.PACKED), pytest.param(
+    (packed.STREAMED, packed.STREAMED),
+    marks=pytest.mark.skipif(not hispec.matvec.available(), reason="no AVX2 + FMA x86 CPU or no C compiler here"))]
 
 
-@pytest.mark.parametrize("one", ONE_ROW)
+@pytest.mark.parametrize("kernels", KERNEL_PAIRS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_with_a_one_row_kernel_equals_hf_generate_for_every_strategy(family, one):
-    """A kernel for one-row products (a single sequence's one-position passes) beside the prepacked one for the
-    rest: every strategy still gives transformers' greedy `generate` of the same model. (A batch's rows never take
-    the one-row kernel: the test above.)"""
+def test_greedy_on_one_sequence_with_other_kernels_equals_hf_generate_for_every_strategy(family, kernels):
+    """Other kernels for one-row products (a single sequence's one-position passes) and for the rest: every strategy
+    still gives transformers' greedy `generate` of the same model on one sequence (a batch: the test above)."""
     model = _wrap(tiny_model(family))
-    packed.pack(model.base, (one, packed.PACKED))
-    packed.pack(model.heads, (one, packed.PACKED))
+    packed.pack(model.base, kernels)
+    packed.pack(model.heads, kernels)
     model.adapter.refresh_modules()
-    assert packed.kind(model.base) == f"one row {one}, more {packed.PACKED}"
+    assert packed.kind(model.base) in (kernels[0], f"one row {kernels[0]}, more {kernels[1]}")
     ids, am = _ids()
     ids, am = ids[:1], am[:1]
     ref = _hf(model.base, ids, am, 15)
@@ -278,9 +278,8 @@ def test_the_speed_ratio_measurement_times_the_model_both_ways_and_unpack_restor
     base = tiny_model("llama")
     before = {name: p for name, p in base.named_parameters()}
     r = REAL_SPEED_RATIO(base, rows=(1, 2), repeats=1)
-    streamed = {packed.STREAMED} if hispec.matvec.available() else set()  # (one-row inputs only)
-    assert set(r) == {1, 2} and set(r[1]) == {packed.PACKED, packed.TRANSPOSED, *streamed}
-    assert set(r[2]) == {packed.PACKED, packed.TRANSPOSED}
+    streamed = {packed.STREAMED} if hispec.matvec.available() else set()
+    assert set(r) == {1, 2} and all(set(v) == {packed.PACKED, packed.TRANSPOSED, *streamed} for v in r.values())
     assert all(0.01 < x < 100 for v in r.values() for x in v.values()) and packed.kind(base) == packed.KIND
     assert packed.unpack(base) > 0 and packed.kind(base) == packed.STOCK
     assert all(type(m) is torch.nn.Linear for m in base.modules() if isinstance(m, torch.nn.Linear))
