@@ -1,25 +1,27 @@
-"""A one-row fp32 product that streams the weight at the core's bandwidth: `x @ W^T` for a single input row from a
+"""Products of a few fp32 rows that stream the weight at the core's bandwidth: `x @ W^T` for 1-8 input rows from a
 contiguous `[in, out]` copy of W, as a small C loop compiled on first use.
 
 Contract: `available()` says whether this machine can run it (x86-64 with AVX2 and FMA, a C compiler on PATH, the
 library built and checked against torch's product); `matvec(x, copy, bias)` returns `x @ copy (+ bias)` for fp32 `x`
-of one row (`x.numel() == copy.shape[0]`) as torch would shape it. `hispec.packed` offers it as the kernel `STREAMED`
-for one-row products and keeps it only where `speed_ratio` measures it faster than the others on the model's own
-linears.
+as torch would shape it, through the loop for up to `MAX_ROWS` rows and torch's product beyond. `hispec.packed`
+offers it as the kernel `STREAMED` and keeps it only where `speed_ratio` measures it faster than the others on the
+model's own linears.
 
-Why: a one-position pass of a small model is ~120 matrix-vector products of 1-7 MB each. torch hands them to its
-BLAS, which on an AVX2 EPYC core streamed SmolLM2's layer weights at 11-12 GB/s where one 450 MB product reaches
-16-17 GB/s (docs/results.md §The pass): the fixed cost per call and the ramp of the hardware prefetchers over a few
-MB. This loop reads eight weight rows at once, each a long contiguous stream, and keeps the output block in L1:
-13.5-14 GB/s on the same weights (0.79x of the BLAS time, interleaved). Ecosystem: torch has no other one-row CPU
-kernel (its GEMV is the BLAS's; oneDNN's prepacked product was slower at one row here, `hispec.packed`);
-`torch.utils.cpp_extension` would need torch's headers, ninja and ~1 min of compilation per machine, where this is
-a 40-line C file built by the system compiler in under a second and called through ctypes (~2 us per call).
+Why: a one-position pass of a small model is ~120 matrix-vector products of 1-7 MB each, a verification pass the same
+over 2-8 rows. torch hands them to its BLAS (or oneDNN), which on an AVX2 EPYC core streamed SmolLM2's layer weights
+at 11-12 GB/s where one 450 MB product reaches 16-17 GB/s (docs/results.md §The pass): the fixed cost per call and
+the ramp of the hardware prefetchers over a few MB. This loop reads several weight rows at once, each a long
+contiguous stream, and keeps the output block in L1: 0.79x of the BLAS time on one row, 0.6-0.75x of oneDNN's on
+2-4 rows (SmolLM2's linears, interleaved). Ecosystem: torch has no other CPU kernel for a few rows (its GEMV is the
+BLAS's; oneDNN's prepacked product was slower at one row here, `hispec.packed`); `torch.utils.cpp_extension` would
+need torch's headers, ninja and ~1 min of compilation per machine, where this is a C file built by the system
+compiler in under a second and called through ctypes (~2 us per call).
 
-Exactness: every output column is one FMA chain over the input in index order, whatever the number of columns or
-how they are blocked, so a product over concatenated weights (`hispec.merged`) equals the separate products bit for
-bit. Against torch's product the sums run in another order, like every non-stock kernel (`hispec.packed`,
-Exactness): logits move in the last bits.
+Exactness: every output element is one FMA chain over the input in index order, whatever the number of rows or
+columns or how they are blocked. So a product over concatenated weights (`hispec.merged`) equals the separate
+products bit for bit, and a row's product in a verification pass of up to 8 positions equals the same row's
+one-position product. Against torch's product the sums run in another order, like every non-stock kernel
+(`hispec.packed`, Exactness): logits move in the last bits.
 """
 
 from __future__ import annotations
