@@ -460,3 +460,27 @@ def test_restored_config_undoes_what_a_block_changed_in_the_configs():
         raise RuntimeError
     assert vars(model.config) == before and vars(model.generation_config) == gen_before
 
+
+
+def test_hispec_strategies_are_timed_on_their_own_path_and_transformers_passes_still_counted():
+    # the pass counter's hooks would send every decoder layer through transformers' forward (hispec.fused steps
+    # aside for hooked layers): they are attached only while one of transformers' strategies runs
+    from tiny import tiny_model
+
+    import hispec
+
+    model = hispec.EarlyExitModel.from_base(tiny_model("llama"), 2, 4, "linear")
+    runner = bench.Runner(model, bench.BenchConfig(strategies=("hf", "ar"), max_new_tokens=6))
+    fast, calls = model.adapter.standard, []
+    real = fast.run
+    fast.run = lambda *a, **k: calls.append(1) or real(*a, **k)
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ar = runner.run("ar", ids, mask, seed=0)
+    assert len(calls) >= model.num_layers * ar.counters.new_tokens
+    calls.clear()
+    hf = runner.run("hf", ids, mask, seed=0)
+    assert hf.counters.target_passes == hf.counters.new_tokens and not calls  # counted, and through its forward
+    assert all(not (layer._forward_hooks or layer._forward_pre_hooks) for layer in model.adapter.parts.layers)
+    assert hf.tokens == ar.tokens
+    runner.close()
