@@ -138,12 +138,7 @@ class StandardLayers:
             eps = self._norms[norm] = _rms_eps(norm, self.adapter) if self.lean else False
         if eps is False or norm._forward_hooks or norm._forward_pre_hooks:
             return norm(x)
-        w = norm._parameters["weight"]
-        if x.dtype == torch.float32:  # (the norm's own `.to(float32)` and back are no-ops then)
-            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return w * h.to(x.dtype)
+        return _rms(x, norm._parameters["weight"], eps)
 
     def _rotate(self, q: torch.Tensor, k: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """The family's `apply_rotary_pos_emb(q, k, cos, sin)`; where it is Llama's (`inline_rope`, probed), its
@@ -152,8 +147,7 @@ class StandardLayers:
             return self.rope(q, k, *rotary)
         if rotary is not self._rotary_seen:  # a new pass: run_layers hands every layer the same tuple
             self._rotary_seen, self._rotary = rotary, (rotary[0].unsqueeze(1), rotary[1].unsqueeze(1))
-        cos, sin = self._rotary
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rope(q, k, *self._rotary)
 
     def _silu(self, act: nn.Module) -> bool:
         """Whether `act` is SiLU (checked on a probe) and hook-free: then `nn.functional.silu` is called directly."""
@@ -207,9 +201,23 @@ def _norms_of(layer: nn.Module) -> list[nn.Module]:
                         getattr(attn, "k_norm", None)) if m is not None]
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm forward, operator for operator."""
+    if x.dtype == torch.float32:  # (the norm's own `.to(float32)` and back are no-ops then)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's `apply_rotary_pos_emb` with cos and sin already unsqueezed over the heads, operator for operator."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _probe(adapter, *shape: int, seed: int = 2) -> torch.Tensor:
@@ -224,13 +232,11 @@ def _rms_eps(norm: nn.Module, adapter) -> float | bool:
     w = norm._parameters.get("weight")
     if not isinstance(eps, float) or w is None or w.dim() != 1 or set(norm._parameters) != {"weight"}:
         return False
-    fake = StandardLayers.__new__(StandardLayers)
-    fake._norms, fake.lean = {norm: eps}, True
     with torch.no_grad():
         for shape in ((1, 1, w.shape[0]), (2, 3, w.shape[0]), (1, 4, 2, w.shape[0])):
             x = _probe(adapter, *shape) * 3
             try:
-                if not torch.equal(norm.forward(x), fake._norm(norm, x)):  # (forward: no user hooks)
+                if not torch.equal(norm.forward(x), _rms(x, w, eps)):  # (forward: no user hooks)
                     return False
             except (TypeError, RuntimeError):
                 return False
@@ -242,11 +248,10 @@ def _llama_rope(rope, head_dim: int, adapter) -> bool:
     bit for bit on a probe."""
     q, k = _probe(adapter, 1, 4, 3, head_dim, seed=3), _probe(adapter, 1, 2, 3, head_dim, seed=4)
     cos, sin = _probe(adapter, 1, 3, head_dim, seed=5), _probe(adapter, 1, 3, head_dim, seed=6)
-    fake = StandardLayers.__new__(StandardLayers)
-    fake.inline_rope, fake._rotary_seen = True, None
     with torch.no_grad():
         try:
-            return all(torch.equal(a, b) for a, b in zip(rope(q, k, cos, sin), fake._rotate(q, k, (cos, sin))))
+            return all(torch.equal(a, b) for a, b in zip(rope(q, k, cos, sin),
+                                                          _rope(q, k, cos.unsqueeze(1), sin.unsqueeze(1))))
         except (TypeError, RuntimeError, ValueError):
             return False
 

@@ -15,7 +15,8 @@ layer read the same bytes with fewer starts.
 
 Exactness: each output column of a product is one dot product over the input size. The transposed kernel (`x @
 W^T` from an `[in, out]` copy), the streamed one (`hispec.matvec`) and oneDNN's prepacked kernel block over the
-output columns and reduce each column in the same order whatever the number of columns, so the merged product equals the members' products bit for bit
+output columns and reduce each column in the same order whatever the number of columns, so the merged product
+equals the members' products bit for bit
 (checked on fp32 SmolLM2: every layer, 1-16 positions). The stock `nn.functional.linear` does not promise that
 (its many-row products differed in the last bits merged), so stock kernels are never merged, and every kernel is
 checked once per merged group on random inputs of 1, 2, 5 and 16 positions before it is used (`_exact`).

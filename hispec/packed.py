@@ -162,7 +162,8 @@ class PackedLinear(nn.Linear):
     `[in, out]` copy, `x @ copy`: a one-row product reads the weight as long contiguous rows, measured faster than
     the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py), `STREAMED` (`hispec.matvec` over that transposed copy:
     a row's product is the same alone or among up to 8 rows; more rows, a prompt's, take `PACKED`, whose GEMM is
-    faster there: 0.70-0.79x of torch's product over the copy on fp32 SmolLM2, 16-64 positions, AVX2 EPYC) and `STOCK` (`nn.functional.linear`). The copies are
+    faster there: 0.70-0.79x of torch's product over the copy on fp32 SmolLM2, 16-64 positions, AVX2 EPYC) and
+    `STOCK` (`nn.functional.linear`). The copies are
     made on first use and remade when the weight changes (in-place update, `.to()`); they are not part of the state
     dict and are dropped by copy / pickle."""
 
