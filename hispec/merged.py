@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import packed
-from .packed import PACKED, STOCK, PackedLinear
+from .packed import STOCK, PackedLinear
 
 PROBE_POSITIONS = (1, 2, 5, 16)  # the input sizes `_exact` compares merged and separate products on
 
@@ -64,10 +64,7 @@ class MergedLinear:
                 copy = packed.kernel_copy(kernel, torch.cat([m.weight.detach() for m in self.members]))
             self._copies[kernel] = copy if self._exact(kernel, copy) else None
             for m in self.members:  # the members' own copies for this kernel are no longer read
-                if kernel is PACKED:
-                    m._packed = m._key = None
-                else:  # (TRANSPOSED and STREAMED read the same [in, out] copy)
-                    m._transposed = m._tkey = None
+                m.drop_copy(kernel)
         return self._copies[kernel]
 
     def _product(self, kernel: str, copy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,8 @@ and a single product that fits the cache (4096 x 1024) misjudged fp32 (0.80 of t
 is the whole model streaming its weights. So the default (`pack=None`) packs the model and times all its linear
 layers (`speed_ratio`: every weight streamed once) over 1, 2 and 4 positions with each kernel: stock, the prepacked
 one, a transposed `[in, out]` copy (`x @ W^T`) and, in fp32 where it builds, `hispec.matvec`'s streamed product
-over that copy. A kernel's ratio is the median over 5 rounds of its time over the
-stock time measured next to it. Per input size the fastest kernel that took at most `PAYS_BELOW` of the stock time
+over a copy in column panels. A kernel's ratio is the median over 5 rounds of its time over the stock time measured
+next to it. Per input size the fastest kernel that took at most `PAYS_BELOW` of the stock time
 is kept (`kernels_that_pay`: one kernel for one-row products, one for the rest). fp32 SmolLM2 on an AVX2-only EPYC
 core (tools/pass_profile.py): a one-position pass 72 ms stock, 92 ms packed, 67 ms transposed; two positions 137 ms
 stock against 93 ms packed. The answer is kept per machine (`memo_path`: CPU model, torch version, architecture,
@@ -41,7 +41,8 @@ size, dtype, thread count) so that only the first load measures (`measured_ratio
 `pack=True` / `--pack` and `pack=False` / `--no-pack` decide as told.
 
 Memory: each kernel's copy sits beside the weight (the `weight` Parameter stays, so tying, `state_dict`, saving and
-every reader of `.weight` are unchanged): the linear layers' weights once more per non-stock kernel in use.
+every reader of `.weight` are unchanged): the linear layers' weights once more per non-stock kernel in use (with
+`STREAMED` for several rows, the prepacked copy too, made on a prompt's first product past `matvec.MAX_ROWS` rows).
 Packing by default must never make a model that fits fail to run, so `apply(model)` (pack=None) leaves the stock
 kernels in place, with a warning, when two copies would take more than `MEMORY_SHARE` of the available memory
 (`available_memory()`, Linux's MemAvailable); an explicit `pack=True` packs regardless.
@@ -68,7 +69,7 @@ KIND = "onednn-packed"  # what `kind(model)` reports for a packed model (recorde
 STOCK = "stock"
 PACKED = KIND  # a kernel: the oneDNN-prepacked product
 TRANSPOSED = "transposed"  # a kernel: x @ W^T from a contiguous [in, out] copy of W (a one-row product as long reads)
-STREAMED = "streamed"  # `hispec.matvec` over the same [in, out] copy (fp32, AVX2; past 8 rows: PACKED's product)
+STREAMED = "streamed"  # `hispec.matvec` over its panel copy (fp32, AVX2; past its MAX_ROWS rows: PACKED's product)
 KERNELS = (STOCK, PACKED, TRANSPOSED, STREAMED)
 MANY = 4  # the "several positions" pass `speed_ratio` times beside the one-position pass
 PACK_DTYPES = (torch.float32, torch.bfloat16)
@@ -140,7 +141,9 @@ def kernel_copy(kernel: str, weight: torch.Tensor) -> torch.Tensor:
         w = weight.detach()
         if kernel is PACKED:
             return torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
-        return w.t().contiguous()  # (TRANSPOSED and STREAMED read the same [in, out] copy)
+        if kernel is STREAMED:
+            return matvec.panels(w)
+        return w.t().contiguous()
 
 
 def multiply(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -148,7 +151,7 @@ def multiply(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tenso
     if bias is not None:
         bias = bias.detach()
     if kernel is STREAMED:
-        return matvec.matvec(x, copy, bias)
+        return matvec.matvec(x, copy, bias)  # (the bias added in the kernel, as `y + bias` adds it)
     if kernel is TRANSPOSED:
         y = torch.matmul(x, copy)
         return y if bias is None else y + bias
@@ -160,10 +163,9 @@ class PackedLinear(nn.Linear):
     size: `one` for one-row inputs (one position of one row: a decoding step), `many` for the rest (verification
     passes, batches, prompts). Kernels: `PACKED` (a oneDNN-prepacked copy of the weight), `TRANSPOSED` (a contiguous
     `[in, out]` copy, `x @ copy`: a one-row product reads the weight as long contiguous rows, measured faster than
-    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py), `STREAMED` (`hispec.matvec` over that transposed copy:
-    a row's product is the same alone or among up to 8 rows; more rows, a prompt's, take `PACKED`, whose GEMM is
-    faster there: 0.70-0.79x of torch's product over the copy on fp32 SmolLM2, 16-64 positions, AVX2 EPYC) and
-    `STOCK` (`nn.functional.linear`). The copies are
+    the stock GEMV on an AVX2-only EPYC, tools/pass_profile.py), `STREAMED` (`hispec.matvec` over a copy in column
+    panels: a row's product is the same alone or among others; past `matvec.MAX_ROWS` rows, a prompt's, `PACKED`,
+    whose GEMM is faster there) and `STOCK` (`nn.functional.linear`). The copies (`_copies`, one per kernel) are
     made on first use and remade when the weight changes (in-place update, `.to()`); they are not part of the state
     dict and are dropped by copy / pickle."""
 
@@ -172,8 +174,7 @@ class PackedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) and readers stay intact
         self.bias = linear.bias
-        self._packed = self._transposed = None
-        self._key = self._tkey = None
+        self._copies: dict[str, tuple] = {}  # kernel -> (the weight's key when copied, the copy)
         available(linear.weight.dtype)  # probe once, so the kernels know whether this CPU packs the dtype
         self.set_kernels(PACKED, PACKED)
 
@@ -189,13 +190,10 @@ class PackedLinear(nn.Linear):
         streams = self.weight.dtype == torch.float32 and matvec.available()
         self.one, self.many = [STOCK if (k == PACKED and not ok) or (k == STREAMED and not streams) else canonical[k]
                                for k in (one, many)]
-        self._beyond = PACKED if ok else TRANSPOSED  # past `matvec.MAX_ROWS` rows, where `many` is STREAMED
-        if keep_copies:
-            return
-        if PACKED not in (self.one, self.many, self._beyond if self.many is STREAMED else None):
-            self._packed = self._key = None
-        if not {TRANSPOSED, STREAMED} & {self.one, self.many}:
-            self._transposed = self._tkey = None
+        self._beyond = PACKED if ok else STREAMED  # past `matvec.MAX_ROWS` rows, where `many` is STREAMED
+        if not keep_copies:
+            used = {self.one, self.many, self._beyond if self.many is STREAMED else STOCK}
+            self._copies = {k: v for k, v in self._copies.items() if k in used}
 
     @classmethod
     def wrap(cls, linear: nn.Linear) -> PackedLinear:
@@ -209,19 +207,17 @@ class PackedLinear(nn.Linear):
         w = self.weight  # (the device is checked per call: `_kernel`)
         return w.data_ptr(), w._version, w.dtype
 
-    def packed_weight(self) -> torch.Tensor:
+    def copy(self, kernel: str) -> torch.Tensor:
+        """`kernel`'s copy of the weight (`kernel_copy`), made on first use and again after the weight changed."""
         key = self._weight_key()
-        if self._packed is None or self._key != key:
-            self._packed = kernel_copy(PACKED, self.weight)
-            self._key = key
-        return self._packed
+        held = self._copies.get(kernel)
+        if held is None or held[0] != key:
+            held = self._copies[kernel] = (key, kernel_copy(kernel, self.weight))
+        return held[1]
 
-    def transposed_weight(self) -> torch.Tensor:
-        key = self._weight_key()
-        if self._transposed is None or self._tkey != key:
-            self._transposed = kernel_copy(TRANSPOSED, self.weight)
-            self._tkey = key
-        return self._transposed
+    def drop_copy(self, kernel: str) -> None:
+        """Forget `kernel`'s copy (e.g. where a merged product holds the same weights; remade if called again)."""
+        self._copies.pop(kernel, None)
 
     def _kernel(self, x: torch.Tensor) -> str:
         """The kernel for `x`: `one` / `many` by its size, `STOCK` where none applies (another device or dtype,
@@ -246,15 +242,13 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._kernel(x)
-        if kernel is PACKED:
-            return multiply(PACKED, x, self.packed_weight(), self.bias)
-        if kernel is TRANSPOSED or kernel is STREAMED:
-            return multiply(kernel, x, self.transposed_weight(), self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+        if kernel is STOCK:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return multiply(kernel, x, self.copy(kernel), self.bias)
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_packed"] = state["_key"] = state["_transposed"] = state["_tkey"] = None  # remade on first use
+        state["_copies"] = {}  # remade on first use
         return state
 
     def extra_repr(self) -> str:
@@ -359,43 +353,49 @@ def _pays_key(module: nn.Module) -> tuple:
     return (type(module).__name__, sum(q.numel() for q in module.parameters()), p.dtype, torch.get_num_threads())
 
 
-def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[int, dict[str, float]]:
-    """Time of every linear layer of `module` once over each of `rows` positions of random input (so every weight is
-    streamed from memory, as a pass streams it) through each kernel of `KERNELS` over the time through the stock
-    kernel, on this CPU at the current thread count, per positions count: `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`,
-    < 1 where the kernel is faster (`PACKED` only where this CPU packs the dtype). Each ratio is the median over
-    `repeats` rounds of the kernel's time over the stock time of the same round (adjacent in time, so a neighbour's
-    load or drift hits both). Packs `module` (in place) to measure and leaves it packed. Why the linears and not the
-    forward: the rest of a pass (norms, attention, Python) is the same under every kernel and only blurs the
-    comparison."""
+def time_kernels(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[int, dict[str, list[float]]]:
+    """Seconds to run every linear layer of `module` once over each of `rows` positions of random input (every
+    weight streamed from memory, as a pass streams it) through each kernel this CPU offers for its dtype (`STOCK`,
+    `PACKED` where it packs, `TRANSPOSED`, `STREAMED` in fp32 where `hispec.matvec` builds), per round:
+    `{rows: {kernel: [seconds per round]}}`. The kernels take turns within a round (adjacent in time, so a
+    neighbour's load or drift hits all of them); a first round warms up (and makes the copies) untimed. Packs
+    `module` (in place) and leaves it packed with `PACKED`. Why the linears and not the forward: the rest of a pass
+    (norms, attention, Python) is the same under every kernel and only blurs the comparison."""
     pack(module)
     linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
     dtype = next(module.parameters()).dtype
-    kernels = [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
+    kernels = [STOCK] + [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
     if dtype == torch.float32 and matvec.available():
         kernels.append(STREAMED)
     g = torch.Generator().manual_seed(0)
     xs = {t: {n: torch.randn(1, t, n, generator=g).to(dtype) for n in {m.in_features for m in linears}}
           for t in rows}
-    ratios = {(k, t): [] for k in kernels for t in rows}
+    took = {t: {k: [] for k in kernels} for t in rows}
     with torch.no_grad():
-        for rep in range(repeats + 1):  # the first round warms up (and makes the copies)
+        for rep in range(repeats + 1):
             for t, x in xs.items():
-                took = {}
-                for k in (STOCK, *kernels):
+                for k in kernels:
                     for m in linears:
                         m.set_kernels(k, k, keep_copies=True)
                     t0 = time.perf_counter()
                     for m in linears:
                         m(x[m.in_features])
-                    took[k] = time.perf_counter() - t0
-                if rep:
-                    for k in took:
-                        if k is not STOCK:
-                            ratios[k, t].append(took[k] / max(took[STOCK], 1e-12))
+                    if rep:
+                        took[t][k].append(time.perf_counter() - t0)
     for m in linears:
         m.set_kernels(PACKED, PACKED)
-    return {t: {k: statistics.median(ratios[k, t]) for k in kernels if ratios[k, t]} for t in rows}
+    return took
+
+
+def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[int, dict[str, float]]:
+    """Time of every linear layer of `module` once over each of `rows` positions through each kernel over the time
+    through the stock kernel (`time_kernels`), per positions count: `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`,
+    < 1 where the kernel is faster. Each ratio is the median over `repeats` rounds of the kernel's time over the
+    stock time of the same round. Packs `module` (in place) to measure and leaves it packed."""
+    took = time_kernels(module, rows, repeats)
+    return {t: {k: statistics.median(a / max(b, 1e-12) for a, b in zip(times, per[STOCK]))
+                for k, times in per.items() if k is not STOCK and times}
+            for t, per in took.items()}
 
 
 def _ratios(measured) -> dict[int, dict[str, float]]:
@@ -447,7 +447,7 @@ def _ratio_for(module: nn.Module) -> dict[int, dict[str, float]]:
         return _pays[key]
     path = memo_path()
     kernels = [PACKED, TRANSPOSED] + ([STREAMED] if key[2] == torch.float32 and matvec.available() else [])
-    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median-2",
+    disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median-3",
                            *kernels])  # (what speed_ratio times: a memo without a kernel this machine has is redone)
     try:
         memo = json.loads(path.read_text()) if path is not None and path.is_file() else {}

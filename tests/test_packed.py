@@ -82,7 +82,7 @@ def test_a_packed_linear_follows_its_weight_and_falls_back_under_autograd():
     y.sum().backward()
     assert lin.weight.grad is not None and lin.weight.grad.shape == lin.weight.shape
     clone = copy.deepcopy(p)  # the opaque copy is dropped, remade on use
-    assert clone._packed is None
+    assert clone._copies == {}
     with torch.no_grad():
         torch.testing.assert_close(clone(x), p(x))
 
@@ -309,6 +309,24 @@ def test_a_calibration_records_the_kernels_it_timed():
     old = latency.Calibration.from_dict({**cal.to_dict(), "machine": {k: v for k, v in here.items() if k != "linear"}})
     with pytest.raises(latency.CalibrationError, match="linear kernels"):  # before packing existed: stock
         old.check(model)
+
+
+@pytest.mark.skipif(not hispec.matvec.available(), reason="no AVX2 + FMA x86 CPU or no C compiler here")
+def test_a_calibration_with_the_streamed_kernel_is_refused_after_that_kernel_changed():
+    model = _wrap(tiny_model("llama"))
+    packed.pack(model.base, (packed.STREAMED, packed.STREAMED))
+    here = latency.machine_fingerprint(model.device, model)
+    assert here["streamed"] == hispec.matvec.library_path().stem  # the build: a digest of its source and flags
+    cal = latency.Calibration.from_dict({
+        "machine": here, "dtype": "float32", "threads": 1, "model": latency.model_identity(model),
+        "costs": {"layer": {"1": 1e-3}, "final": {"1": 1e-3}, "head": {}, "ngram": 1e-5},
+        "acceptance": {}, "ngram_match": 0.0, "context": 16, "positions": 10})
+    cal.check(model)
+    before = {k: v for k, v in here.items() if k != "streamed"}  # (calibrations from before the kernel had a build)
+    for machine in ({**here, "streamed": "matvec-0123456789abcdef"}, before):
+        stale = latency.Calibration.from_dict({**cal.to_dict(), "machine": machine})
+        with pytest.raises(latency.CalibrationError, match="the streamed kernel: calibrated with build"):
+            stale.check(model)
 
 
 def test_reduced_vocabulary_heads_project_through_packed_rows_and_stay_lossless():

@@ -17,7 +17,13 @@ final norm and the lm_head. For each dtype and T it reports
   than the caches, best of `--repeats`), i.e. what a pass costs if it does nothing but stream its weights once.
 The operators' times come from a profiled run, which is slower than an unprofiled one; they are scaled to the
 unprofiled wall time only in the sense that `python + dispatch` is wall minus their sum (so it can read a little
-low). Prints one table and ends with one JSON line.
+low). `hispec.matvec`'s products are C calls no torch operator sees; the tool names them as a profiler scope, so
+they count as GEMMs (or lm_head).
+
+`--kernel-rows 1,2,4,8,16,64` adds a second table: every linear layer of the model run once over that many rows
+through each kernel `hispec.packed` offers on this CPU (`packed.time_kernels`: the kernels in turn, every weight
+streamed), median ms and the weight bytes per second, i.e. the products alone, without the rest of the pass.
+Prints the table(s) and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -84,10 +90,12 @@ def _scopes(model):
     """Context manager: name the cache's updates, the masks + rotary and the lm_head as profiler scopes."""
     import torch
 
+    from hispec import matvec
     from hispec.cache import KVCache
 
     ad = model.adapter
     update, prepare, final = KVCache.update, type(ad)._prepare, type(ad).final_logits
+    product = matvec.matvec  # (a C call through ctypes: no operator of torch's profiler sees it)
 
     def scoped(fn, name):
         def run(*a, **k):
@@ -100,10 +108,12 @@ def _scopes(model):
         KVCache.update = scoped(update, "hispec.cache")
         type(ad)._prepare = scoped(prepare, "hispec.prepare")
         type(ad).final_logits = scoped(final, "hispec.lm_head")
+        matvec.matvec = scoped(product, "hispec::matvec")
         try:
             yield
         finally:
             KVCache.update, type(ad)._prepare, type(ad).final_logits = update, prepare, final
+            matvec.matvec = product
 
     return cm()
 
@@ -144,6 +154,18 @@ def breakdown(pass_fn, repeats: int) -> dict:
             continue
         out[_kind(e, scope_of)] += e.self_cpu_time_total * 1e-6
     return {k: v / repeats for k, v in out.items()}
+
+
+def kernel_table(model, dtype: str, rows, repeats: int) -> list[dict]:
+    """The base model's linear layers alone through every kernel (`hispec.packed.time_kernels`), per row count:
+    median ms per kernel and the bytes of weight they read. Leaves the base packed with oneDNN's kernel."""
+    from hispec import packed
+
+    nbytes = packed.packed_bytes(model.base)
+    took = packed.time_kernels(model.base, rows, repeats)
+    model.adapter.refresh_modules()
+    return [{"dtype": dtype, "rows": t, "bytes": nbytes,
+             "ms": {k: statistics.median(v) * 1e3 for k, v in per.items() if v}} for t, per in took.items()]
 
 
 def profile_model(model, positions, context: int, repeats: int) -> list[dict]:
@@ -193,6 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--separate", action="store_true",
                    help="multiply Q, K, V and gate, up one by one (hispec.merged off; its merged products are the "
                         "default)")
+    p.add_argument("--kernel-rows", default=None,
+                   help="also time the linear layers alone through every kernel over these row counts, "
+                        "comma-separated (e.g. 1,2,4,8,16,64)")
     p.add_argument("--json-out", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
 
@@ -205,7 +230,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     positions = [int(t) for t in args.positions.split(",")]
     pack = {"auto": None, "packed": True, "stock": False}[args.kernels]
-    results = []
+    results, kernel_rows = [], []
     for name in args.dtype.split(","):
         dtype = parse_dtype(name)
         cfg = Path(args.model) / "config.json"
@@ -230,6 +255,8 @@ def main(argv=None) -> int:
                             "wall_over_floor": row["wall"] / floor})
         print(f"# {name}: {nbytes / 2**20:.0f} MiB of weights per pass, read at {bw / 1e9:.1f} GB/s "
               f"(matrix-vector product) -> floor {floor * 1e3:.2f} ms; linear kernels: {kernels}", file=sys.stderr)
+        if args.kernel_rows:
+            kernel_rows += kernel_table(model, name, [int(t) for t in args.kernel_rows.split(",")], args.repeats)
         del model
 
     cols = ["wall", "gemm", "attention", "lm_head", "cache", "masks + rotary", "other ops", "python + dispatch",
@@ -241,9 +268,19 @@ def main(argv=None) -> int:
     for r in results:
         print(f"| {r['dtype']} | {r['T']} | " + " | ".join(f"{r[c] * 1e3:.2f}" for c in cols)
               + f" | {r['wall_over_floor']:.2f} |")
+    if kernel_rows:
+        names = list(dict.fromkeys(k for r in kernel_rows for k in r["ms"]))
+        print(f"\nthe linear layers alone, once over each row count, median ms of {args.repeats} rounds in turn "
+              "(weight GB/s)")
+        print("| dtype | rows | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for r in kernel_rows:
+            print(f"| {r['dtype']} | {r['rows']} | " + " | ".join(
+                f"{r['ms'][k]:.1f} ({r['bytes'] / r['ms'][k] / 1e6:.1f})" if k in r["ms"] else "-" for k in names)
+                + " |")
     summary = {"tool": "pass_profile", "model": args.model, "cpu": cpu_model(),
                "capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads,
-               "context": args.context, "rows": results}
+               "context": args.context, "rows": results, "kernels": kernel_rows}
     return emit_result(summary, args.json_out)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import packed
+from .. import matvec, packed
 from ..io import cpu_model, write_json  # noqa: F401  (cpu_model: re-exported)
 from ..drafters.ngram import NgramConfig
 from .levels import EAGLE, FULL, LOOKUP, NGRAM, CalibrationError, gate_key, interp, level_name, lookup_exit
@@ -30,12 +30,15 @@ CALIBRATION_VERSION = 1
 # ---------------------------------------------------------------------------------------------- calibration
 def machine_fingerprint(device=None, model=None) -> dict:
     """What makes timings transferable: CPU model and vector capability, device type (and GPU name), torch, and
-    with `model` (an `EarlyExitModel`) its linear kernels (`hispec.packed.kind`: prepacked or stock)."""
+    with `model` (an `EarlyExitModel`) its linear kernels (`hispec.packed.kind`: prepacked or stock) and, where
+    they include `hispec.matvec`'s, that library's build (its source digest: a changed kernel changes the costs)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     fp = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "device": dev.type,
           "cuda_name": None, "torch": torch.__version__, "platform": platform.machine()}
     if model is not None:
         fp["linear"] = packed.kind(model.base)
+        if packed.STREAMED in fp["linear"]:
+            fp["streamed"] = matvec.library_path().stem
     if dev.type == "cuda" and torch.cuda.is_available():
         fp["cuda_name"] = torch.cuda.get_device_name(dev)
     return fp
@@ -377,6 +380,9 @@ class Calibration:
         if self.machine.get("linear", packed.STOCK) != here["linear"]:  # calibrations before hispec.packed: stock
             diffs.append(f"linear kernels: calibrated {self.machine.get('linear', packed.STOCK)}, the model runs "
                          f"{here['linear']} (hispec.load(pack=...), --no-pack)")
+        elif self.machine.get("streamed") != here.get("streamed"):
+            diffs.append(f"the streamed kernel: calibrated with build {self.machine.get('streamed')}, this hispec "
+                         f"runs {here['streamed']} (hispec.matvec changed)")
         if _dtype_name(model.dtype) != self.dtype:
             diffs.append(f"dtype: calibrated {self.dtype}, model runs in {_dtype_name(model.dtype)}")
         if diffs:
