@@ -76,6 +76,8 @@ PACK_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 4  # oneDNN's layout choice for "about this many rows"; 4 measured best at 1-16 rows here
 MEMORY_SHARE = 0.7  # default packing only when the copies fit in this share of the available memory
 PAYS_BELOW = 0.9  # a kernel other than stock only where the linears take at most this share of their stock time
+MEASURED_BYTES = 512 * 2**20  # `time_kernels` times the linears in module order up to this much weight: far beyond
+# a core's caches, so each is streamed from memory as in a pass, while its copies per kernel stay bounded
 _pays: dict[tuple, float] = {}  # _pays_key(module) -> speed_ratio, measured once per process
 _enabled = contextvars.ContextVar("hispec_packed_enabled", default=True)
 _available: dict[torch.dtype, bool] = {}  # dtype -> whether this CPU packs it (`available`)
@@ -354,15 +356,22 @@ def _pays_key(module: nn.Module) -> tuple:
 
 
 def time_kernels(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[int, dict[str, list[float]]]:
-    """Seconds to run every linear layer of `module` once over each of `rows` positions of random input (every
-    weight streamed from memory, as a pass streams it) through each kernel this CPU offers for its dtype (`STOCK`,
-    `PACKED` where it packs, `TRANSPOSED`, `STREAMED` in fp32 where `hispec.matvec` builds), per round:
-    `{rows: {kernel: [seconds per round]}}`. The kernels take turns within a round (adjacent in time, so a
-    neighbour's load or drift hits all of them); a first round warms up (and makes the copies) untimed. Packs
-    `module` (in place) and leaves it packed with `PACKED`. Why the linears and not the forward: the rest of a pass
-    (norms, attention, Python) is the same under every kernel and only blurs the comparison."""
+    """Seconds to run the linear layers of `module` once over each of `rows` positions of random input (every weight
+    streamed from memory, as a pass streams it) through each kernel this CPU offers for its dtype (`STOCK`, `PACKED`
+    where it packs, `TRANSPOSED`, `STREAMED` in fp32 where `hispec.matvec` builds), per round: `{rows: {kernel:
+    [seconds per round]}}`. The linears are taken in module order up to `MEASURED_BYTES` of weight (all of a small
+    model; a few layers of a large one, which hold every shape but the lm_head's): each kernel keeps a copy of what
+    it times while the kernels take turns, and three copies of a 6 GB fp32 model beside it would not fit in 24 GB.
+    The kernels take turns within a round (adjacent in time, so a neighbour's load or drift hits all of them); a
+    first round warms up (and makes the copies) untimed. Packs `module` (in place) and leaves it packed with
+    `PACKED`, the other kernels' copies dropped. Why the linears and not the forward: the rest of a pass (norms,
+    attention, Python) is the same under every kernel and only blurs the comparison."""
     pack(module)
-    linears = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    linears, total = [], 0
+    for m in module.modules():
+        if isinstance(m, PackedLinear) and (not linears or total < MEASURED_BYTES):
+            linears.append(m)
+            total += m.weight.numel() * m.weight.element_size()
     dtype = next(module.parameters()).dtype
     kernels = [STOCK] + [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
     if dtype == torch.float32 and matvec.available():
@@ -494,7 +503,8 @@ def wanted(pack_arg, device, dtype) -> bool:
 
 def packed_bytes(module: nn.Module) -> int:
     """Bytes one copy of `module`'s packable linears takes (about their weights' size; a weight shared by two
-    linears, e.g. tied embeddings, is copied for each). Measuring the kernels makes two (packed and transposed)."""
+    linears, e.g. tied embeddings, is copied for each). Measuring the kernels copies at most `MEASURED_BYTES` of them
+    per kernel (`time_kernels`)."""
     return sum(m.weight.numel() * m.weight.element_size() for m in module.modules()
                if isinstance(m, nn.Linear) and m.weight.dtype in packable_dtypes())
 
@@ -523,7 +533,7 @@ def apply(model, pack_arg=None):
     if wanted(pack_arg, model.device, model.dtype):
         if pack_arg is None:
             need, free = 2 * (packed_bytes(model.base) + packed_bytes(model.heads)), available_memory()
-            if free is not None and need > MEMORY_SHARE * free:  # (two copies: packed and transposed)
+            if free is not None and need > MEMORY_SHARE * free:  # (two copies: the one-row and the many-row kernels')
                 warnings.warn(f"hispec: not prepacking the linear layers: their packed copies need "
                               f"{need / 2**30:.1f} GiB and the system has {free / 2**30:.1f} GiB available; "
                               "decoding uses the stock kernels (hispec.load(..., pack=True) packs regardless)",

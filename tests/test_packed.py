@@ -287,6 +287,20 @@ def test_the_speed_ratio_measurement_times_the_model_both_ways_and_unpack_restor
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)  # the very same Parameters
 
 
+def test_the_measurement_times_the_linears_up_to_a_budget_of_weight_and_keeps_no_other_copies(monkeypatch):
+    base = tiny_model("llama")
+    first = base.model.layers[0].self_attn.q_proj
+    monkeypatch.setattr(packed, "MEASURED_BYTES", first.weight.numel() * 4 + 1)  # q_proj, then k_proj crosses it
+    timed = []
+    real = packed.PackedLinear.forward
+    monkeypatch.setattr(packed.PackedLinear, "forward", lambda self, x: timed.append(self) or real(self, x))
+    took = packed.time_kernels(base, rows=(1, 3), repeats=2)
+    attn = base.model.layers[0].self_attn
+    assert {id(m) for m in timed} == {id(attn.q_proj), id(attn.k_proj)}
+    assert all(len(times) == 2 for per in took.values() for times in per.values()) and set(took) == {1, 3}
+    assert all(set(m._copies) <= {packed.PACKED} for m in base.modules() if isinstance(m, packed.PackedLinear))
+
+
 def test_load_packs_on_cpu_unless_told_not_to(tmp_path):
     folder = _wrap(tiny_model("llama")).save(tmp_path / "ck")
     assert packed.kind(hispec.load(folder).base) == packed.KIND
