@@ -355,6 +355,13 @@ def _pays_key(module: nn.Module) -> tuple:
     return (type(module).__name__, sum(q.numel() for q in module.parameters()), p.dtype, torch.get_num_threads())
 
 
+def offered(dtype: torch.dtype) -> list[str]:
+    """The kernels other than `STOCK` this CPU runs for `dtype`: `PACKED` where it packs, `TRANSPOSED`, and
+    `STREAMED` in fp32 where `hispec.matvec` builds."""
+    return ([PACKED] if available(dtype) else []) + [TRANSPOSED] + (
+        [STREAMED] if dtype == torch.float32 and matvec.available() else [])
+
+
 def time_kernels(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[int, dict[str, list[float]]]:
     """Seconds to run the linear layers of `module` once over each of `rows` positions of random input (every weight
     streamed from memory, as a pass streams it) through each kernel this CPU offers for its dtype (`STOCK`, `PACKED`
@@ -373,9 +380,7 @@ def time_kernels(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict
             linears.append(m)
             total += m.weight.numel() * m.weight.element_size()
     dtype = next(module.parameters()).dtype
-    kernels = [STOCK] + [k for k in (PACKED, TRANSPOSED) if k != PACKED or available(dtype)]
-    if dtype == torch.float32 and matvec.available():
-        kernels.append(STREAMED)
+    kernels = [STOCK, *offered(dtype)]
     g = torch.Generator().manual_seed(0)
     xs = {t: {n: torch.randn(1, t, n, generator=g).to(dtype) for n in {m.in_features for m in linears}}
           for t in rows}
@@ -397,8 +402,8 @@ def time_kernels(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict
 
 
 def speed_ratio(module: nn.Module, rows=(1, 2, MANY), repeats: int = 5) -> dict[int, dict[str, float]]:
-    """Time of every linear layer of `module` once over each of `rows` positions through each kernel over the time
-    through the stock kernel (`time_kernels`), per positions count: `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`,
+    """Time of the linear layers of `module` (up to `MEASURED_BYTES`) once over each of `rows` positions through each
+    kernel over the time through the stock kernel (`time_kernels`), per positions count: `{1: {PACKED: r, TRANSPOSED: r}, 4: {...}}`,
     < 1 where the kernel is faster. Each ratio is the median over `repeats` rounds of the kernel's time over the
     stock time of the same round. Packs `module` (in place) to measure and leaves it packed."""
     took = time_kernels(module, rows, repeats)
@@ -455,7 +460,7 @@ def _ratio_for(module: nn.Module) -> dict[int, dict[str, float]]:
     if key in _pays:
         return _pays[key]
     path = memo_path()
-    kernels = [PACKED, TRANSPOSED] + ([STREAMED] if key[2] == torch.float32 and matvec.available() else [])
+    kernels = [PACKED, TRANSPOSED] + ([STREAMED] if STREAMED in offered(key[2]) else [])
     disk_key = json.dumps([cpu_model(), torch.__version__, *map(str, key), "linears-median-3",
                            *kernels])  # (what speed_ratio times: a memo without a kernel this machine has is redone)
     try:
